@@ -1,0 +1,21 @@
+"""Exception types raised by lightning_pp, each naming the rule broken, the values involved and the fix."""
+
+from __future__ import annotations
+
+__all__ = ["PipelineCommError", "PipelineConfigError", "PipelineScheduleError", "PipelineTimeoutError"]
+
+
+class PipelineConfigError(ValueError):
+    """The strategy, the module or the batch does not fit the pipeline (raised before any collective)."""
+
+
+class PipelineScheduleError(ValueError):
+    """A schedule's action lists are inconsistent: a missing action, an unmatched send or a deadlock."""
+
+
+class PipelineCommError(RuntimeError):
+    """A point-to-point transfer between two stages failed (for example because the peer died)."""
+
+
+class PipelineTimeoutError(PipelineCommError):
+    """A point-to-point transfer did not complete within the strategy's ``timeout``."""

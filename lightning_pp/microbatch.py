@@ -1,0 +1,58 @@
+"""Splitting a batch into micro-batches along dimension 0, like ``torch.tensor_split`` (sizes differ by at most one)."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from lightning_pp.errors import PipelineConfigError
+
+__all__ = ["split_batch"]
+
+
+def _batch_sizes(batch: Any) -> set[int]:
+    if isinstance(batch, torch.Tensor):
+        return {batch.shape[0]} if batch.dim() > 0 else set()
+    if isinstance(batch, Mapping):
+        return set().union(*(_batch_sizes(v) for v in batch.values())) if batch else set()
+    if isinstance(batch, (list, tuple)):
+        return set().union(*(_batch_sizes(v) for v in batch)) if batch else set()
+    return set()
+
+
+def _take(batch: Any, num_microbatches: int, index: int) -> Any:
+    if isinstance(batch, torch.Tensor):
+        return torch.tensor_split(batch, num_microbatches)[index] if batch.dim() > 0 else batch
+    if isinstance(batch, Mapping):
+        return type(batch)({k: _take(v, num_microbatches, index) for k, v in batch.items()})  # type: ignore[call-arg]
+    if isinstance(batch, tuple) and hasattr(batch, "_fields"):  # namedtuple
+        return type(batch)(*(_take(v, num_microbatches, index) for v in batch))
+    if isinstance(batch, (list, tuple)):
+        return type(batch)(_take(v, num_microbatches, index) for v in batch)
+    return batch  # non-tensor leaves (strings, numbers) are shared by every micro-batch
+
+
+def split_batch(batch: Any, num_microbatches: int) -> tuple[list[Any], list[int]]:
+    """Split every tensor of ``batch`` (nested in dicts, lists, tuples) into ``num_microbatches`` pieces.
+
+    Returns the micro-batches and their sizes. When the batch size does not divide evenly, the first
+    ``size % num_microbatches`` micro-batches get one extra sample; the strategy weights each micro-batch's loss by
+    its share of the samples, so gradients still equal single-device ones for losses that average over the batch.
+    """
+    sizes = _batch_sizes(batch)
+    if len(sizes) != 1:
+        raise PipelineConfigError(
+            f"Cannot split the batch into micro-batches: its tensors have first dimensions {sorted(sizes)} but need "
+            f"one common batch dimension. Return tensors whose dimension 0 is the batch from your DataLoader."
+        )
+    (size,) = sizes
+    if size < num_microbatches:
+        raise PipelineConfigError(
+            f"A batch of {size} samples cannot be split into {num_microbatches} micro-batches. Use a batch size of "
+            f"at least {num_microbatches} (ideally a multiple), or lower PipelineParallelStrategy(microbatches=...)."
+        )
+    base, extra = divmod(size, num_microbatches)
+    micro_sizes = [base + (1 if i < extra else 0) for i in range(num_microbatches)]
+    return [_take(batch, num_microbatches, i) for i in range(num_microbatches)], micro_sizes

@@ -1,0 +1,524 @@
+"""PipelineParallelStrategy: Lightning's hooks translated into calls of the schedule, runtime and P2P core."""
+
+from __future__ import annotations
+
+import logging
+from collections import OrderedDict
+from collections.abc import Callable, Mapping, Sequence
+from datetime import timedelta
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities.distributed import ReduceOp
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from lightning.pytorch.utilities.types import STEP_OUTPUT
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor, nn
+from torch.optim import Optimizer
+from typing_extensions import override
+
+from lightning_pp import _compat
+from lightning_pp._logs import LogRecord, LogRecorder, replay
+from lightning_pp.errors import PipelineConfigError
+from lightning_pp.microbatch import split_batch
+from lightning_pp.p2p import StageP2P
+from lightning_pp.partition import stage_layer_ranges, uniform_balance, validate_balance
+from lightning_pp.runtime import run_stage
+from lightning_pp.schedules import SCHEDULES, Schedule, build_schedule
+from lightning_pp.simulate import TimelineEvent
+
+__all__ = ["PipelineParallelStrategy"]
+
+log = logging.getLogger(__name__)
+
+
+class _SequentialOutput(BaseException):  # noqa: N818 - control flow, not an error; BaseException passes `except Exception`
+    """Raised by the first stage's sequential to stop the user's step once the stage's output exists."""
+
+    def __init__(self, output: Tensor) -> None:
+        super().__init__()
+        self.output = output
+
+
+class _StageSequential(nn.Sequential):
+    """The layers of one stage, under their original names so state-dict keys match the full model's.
+
+    Called from the user's step it does what the stage needs: on the first stage it runs its layers and stops the step
+    (the rest belongs to later stages); on the last stage it ignores its argument and applies its layers to the
+    activation received from the previous stage, so the user's loss code runs unchanged.
+    """
+
+    def __init__(self, layers: OrderedDict[str, nn.Module], stage: int, num_stages: int, attribute: str) -> None:
+        super().__init__(layers)
+        self.stage = stage
+        self.num_stages = num_stages
+        self.attribute = attribute
+        self.received: Tensor | None = None
+        self.calls = 0
+
+    def run_layers(self, input: Any) -> Any:  # noqa: A002 - nn.Sequential's name
+        """Apply this stage's layers (what a middle stage does with a received activation)."""
+        return super().forward(input)
+
+    @override
+    def forward(self, input: Any) -> Any:  # noqa: A002 - nn.Sequential's name
+        self.calls += 1
+        if self.calls > 1:
+            raise PipelineConfigError(
+                f"The step called `self.{self.attribute}` {self.calls} times; a pipelined step must call the "
+                f"partitioned sequential exactly once per micro-batch."
+            )
+        if self.num_stages == 1:
+            return super().forward(input)
+        if self.stage == 0:
+            raise _SequentialOutput(super().forward(input))
+        if self.stage == self.num_stages - 1 and self.received is not None:
+            return super().forward(self.received)
+        raise PipelineConfigError(
+            f"`self.{self.attribute}` holds only the layers {list(self._modules)} of pipeline stage {self.stage}; it "
+            f"can only be called inside a pipelined training_step. Validation, test and predict steps and calls from "
+            f"other hooks are not supported by PipelineParallelStrategy yet."
+        )
+
+
+def _find_sequential(module: nn.Module, name: str | None) -> tuple[str, nn.Sequential]:
+    candidates = [child_name for child_name, child in module.named_children() if isinstance(child, nn.Sequential)]
+    if name is None:
+        if len(candidates) != 1:
+            found = f"found {len(candidates)}: {candidates}" if candidates else "found none"
+            raise PipelineConfigError(
+                f"PipelineParallelStrategy partitions an nn.Sequential that is a direct attribute of "
+                f"{type(module).__name__}, and {found}. "
+                + ("Name the one to partition: PipelineParallelStrategy(sequential=...)."
+                   if candidates else "Put the repeated layers (e.g. transformer blocks) in an nn.Sequential "
+                   "attribute, or name a nested one with PipelineParallelStrategy(sequential='model.blocks').")
+            )
+        name = candidates[0]
+    try:
+        found_module = module.get_submodule(name)
+    except AttributeError:
+        found_module = None
+    if not isinstance(found_module, nn.Sequential):
+        raise PipelineConfigError(
+            f"PipelineParallelStrategy(sequential={name!r}): {type(module).__name__} has no nn.Sequential at "
+            f"{name!r}. Direct nn.Sequential attributes: {candidates or 'none'}."
+        )
+    return name, found_module
+
+
+class PipelineParallelStrategy(ParallelStrategy):
+    """Train a LightningModule's ``nn.Sequential`` pipeline-parallel: one stage of consecutive layers per device.
+
+    Per optimizer step, each batch is split into ``microbatches`` micro-batches and run through the stages by the
+    chosen schedule. The first stage runs the user's ``training_step`` up to the call of the sequential, the middle
+    stages run only their layers, the last stage runs the user's step on the received activation and computes the
+    loss with the user's own code. Parameters outside the sequential are replicated on every stage and their gradients
+    summed over the pipeline, so weights tied across the sequential (embedding and head) train correctly. Every stage
+    loads the same batch.
+
+    Each micro-batch's loss is weighted by its share of the batch's samples, so for losses that average over the batch
+    (every torch loss by default) gradients, the returned loss and logged values equal single-device training. A batch
+    that does not divide evenly is split like ``torch.tensor_split``.
+
+    Args:
+        schedule: ``"naive"`` (one micro-batch at a time), ``"gpipe"`` (all forwards, then all backwards) or
+            ``"1f1b"`` (one forward one backward; activation memory bounded by the number of stages).
+        microbatches: Micro-batches per batch; ``None`` means twice the number of stages.
+        sequential: Name (dotted for nested modules) of the ``nn.Sequential`` to partition; by default the only
+            ``nn.Sequential`` that is a direct attribute of the LightningModule.
+        balance: Layers per stage, summing to the sequential's length; by default an even split.
+        timeout: Seconds a stage waits for a peer's transfer (and for collectives) before raising
+            :class:`~lightning_pp.PipelineTimeoutError` naming the stage, the action and the peer.
+        process_group_backend: ``"gloo"`` or ``"nccl"``; by default chosen from the device.
+
+    Raises:
+        PipelineConfigError: for an unknown schedule, ``microbatches < 1``, a bad ``balance``, a world size that does
+            not match ``balance``, a module without a unique sequential, or manual optimization.
+
+    Example::
+
+        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=PipelineParallelStrategy(schedule="1f1b"))
+        trainer.fit(model, train_dataloader)
+    """
+
+    strategy_name = "pipeline"
+
+    def __init__(
+        self,
+        *,
+        schedule: str = "1f1b",
+        microbatches: int | None = None,
+        sequential: str | None = None,
+        balance: Sequence[int] | None = None,
+        timeout: float = 300.0,
+        process_group_backend: str | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+    ) -> None:
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        if schedule not in SCHEDULES:
+            raise PipelineConfigError(
+                f"Unknown schedule {schedule!r}. Valid schedules: {', '.join(sorted(SCHEDULES))}."
+            )
+        if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
+            raise PipelineConfigError(
+                f"microbatches={microbatches!r}, but at least 1 micro-batch per batch is needed; pass a positive "
+                f"integer, or None for twice the number of stages."
+            )
+        if balance is not None and (not balance or any(not isinstance(n, int) or n < 1 for n in balance)):
+            raise PipelineConfigError(
+                f"balance={list(balance)} must list at least one layer for every stage (positive integers)."
+            )
+        if timeout <= 0:
+            raise PipelineConfigError(f"timeout={timeout} must be a positive number of seconds.")
+        self.schedule_name = schedule
+        self._microbatches = microbatches
+        self._sequential_name = sequential
+        self._balance = list(balance) if balance is not None else None
+        self.timeout = float(timeout)
+        self._process_group_backend = process_group_backend
+        self._num_nodes = 1
+        self._stage_module: _StageSequential | None = None
+        self._replicated: list[nn.Parameter] = []
+        self._pending_grads: list[Tensor | None] | None = None
+        self._p2p: StageP2P | None = None
+        self._schedules: dict[tuple[int, bool], Schedule] = {}
+        self._log_recorder = LogRecorder()
+        # set by PipelineMonitor: receives each timed step's events; None keeps the runtime's timing off
+        self.timing_sink: Callable[[list[TimelineEvent]], None] | None = None
+
+    # ------------------------------------------------------------------------------------------------ Lightning wiring
+
+    @property
+    @override
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def num_stages(self) -> int:
+        """One stage per process in the job."""
+        return self.num_nodes * self.num_processes
+
+    @property
+    def stage(self) -> int:
+        return self.global_rank
+
+    @property
+    def microbatches(self) -> int:
+        return self._microbatches if self._microbatches is not None else 2 * self.num_stages
+
+    @property
+    def is_distributed(self) -> bool:
+        # Lightning only honours `sync_dist` and installs the DistributedSampler (which makes every stage load the
+        # same batch even with shuffling) for strategies that say they are distributed
+        return True
+
+    @property
+    @override
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        # every stage of the one pipeline loads the same samples: a single data-parallel replica
+        return {"num_replicas": 1, "rank": 0}
+
+    @override
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        self._launcher = _compat._SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+
+    @override
+    def setup_environment(self) -> None:
+        # checked before the process group exists, so a bad configuration fails on every rank without waiting
+        if self._balance is not None and len(self._balance) != self.num_stages:
+            raise PipelineConfigError(
+                f"balance={self._balance} describes {len(self._balance)} stages but the Trainer runs "
+                f"{self.num_stages} processes (one stage each). Use Trainer(devices={len(self._balance)}) or give "
+                f"{self.num_stages} layer counts."
+            )
+        super().setup_environment()
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_stages)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        backend = self._process_group_backend or _compat._get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        self._process_group_backend = backend
+        assert self.cluster_environment is not None
+        _compat._init_dist_connection(
+            self.cluster_environment, backend, timeout=timedelta(seconds=self.timeout)
+        )
+
+    @override
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        module = self.lightning_module
+        assert module is not None
+        if trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization:
+            raise PipelineConfigError(
+                f"{type(module).__name__} uses manual optimization (automatic_optimization=False), which "
+                f"PipelineParallelStrategy does not support: the schedule runs forward and backward itself. Use "
+                f"automatic optimization, where Lightning calls the optimizers after the pipelined step."
+            )
+        self._partition(module)
+        assert self.model is not None
+        self.model = self.precision_plugin.convert_module(self.model)
+        self.model_to_device()
+        if trainer.state.fn == TrainerFn.FITTING:
+            self.setup_optimizers(trainer)
+        self.setup_precision_plugin()
+        if trainer.state.fn == TrainerFn.FITTING:
+            _compat._optimizers_to_device(self.optimizers, self.root_device)
+        self._p2p = StageP2P(self.stage, list(range(self.num_stages)), self.root_device, self.timeout)
+
+    @override
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if dist.is_available() and dist.is_initialized():
+            dist.barrier()
+
+    @override
+    def broadcast(self, obj: Any, src: int = 0) -> Any:
+        if not (dist.is_available() and dist.is_initialized()):
+            return obj
+        box = [obj]
+        dist.broadcast_object_list(box, src)
+        return box[0]
+
+    @override
+    def reduce(
+        self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
+    ) -> Tensor | Any:
+        if isinstance(tensor, Tensor):
+            return _compat._sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    # ------------------------------------------------------------------------------------------------ partitioning
+
+    def _partition(self, module: pl.LightningModule) -> None:
+        """Keep only this stage's layers of the sequential; everything else stays, replicated on every stage."""
+        name, sequential = _find_sequential(module, self._sequential_name)
+        if isinstance(sequential, _StageSequential):
+            if (sequential.stage, sequential.num_stages) != (self.stage, self.num_stages):
+                raise PipelineConfigError(
+                    f"`{name}` was already partitioned for stage {sequential.stage} of {sequential.num_stages}; "
+                    f"this run is stage {self.stage} of {self.num_stages}. Build a fresh module for a new layout."
+                )
+            self._stage_module = sequential
+        else:
+            layers = list(sequential.named_children())
+            balance = (
+                validate_balance(self._balance, len(layers), self.num_stages)
+                if self._balance is not None
+                else uniform_balance(len(layers), self.num_stages)
+            )
+            self._check_no_shared_parameters(module, name, sequential, balance)
+            local = stage_layer_ranges(balance)[self.stage]
+            stage_module = _StageSequential(
+                OrderedDict(layers[i] for i in local), self.stage, self.num_stages, name
+            )
+            parent_name, _, attribute = name.rpartition(".")
+            setattr(module.get_submodule(parent_name) if parent_name else module, attribute, stage_module)
+            self._stage_module = stage_module
+            log.info(f"Pipeline stage {self.stage}: layers {list(local)} of `{name}` ({len(layers)} layers)")
+        stage_ids = {id(p) for p in self._stage_module.parameters()}
+        self._replicated = [p for p in module.parameters() if id(p) not in stage_ids and p.requires_grad]
+
+    @staticmethod
+    def _check_no_shared_parameters(
+        module: nn.Module, name: str, sequential: nn.Sequential, balance: list[int]
+    ) -> None:
+        owner: dict[int, str] = {}
+        for index, stage_range in enumerate(stage_layer_ranges(balance)):
+            for i in stage_range:
+                for p in list(sequential.children())[i].parameters():
+                    if owner.setdefault(id(p), f"stage {index}") != f"stage {index}":
+                        raise PipelineConfigError(
+                            f"A parameter of `{name}` is shared between {owner[id(p)]} and stage {index}; stages "
+                            f"cannot share weights. Choose a balance that keeps sharing layers on one stage."
+                        )
+        inside = set(owner)
+        sequential_prefix = name + "."
+        for param_name, p in module.named_parameters(remove_duplicate=False):
+            if not param_name.startswith(sequential_prefix) and id(p) in inside:
+                raise PipelineConfigError(
+                    f"Parameter `{param_name}` is shared with a layer of `{name}`; a weight inside the partitioned "
+                    f"sequential cannot also be used outside it. Move the tied layer out of `{name}`."
+                )
+
+    # ------------------------------------------------------------------------------------------------ the step
+
+    def _schedule(self, num_microbatches: int, forward_only: bool) -> Schedule:
+        key = (num_microbatches, forward_only)
+        if key not in self._schedules:
+            self._schedules[key] = build_schedule(
+                self.schedule_name, self.num_stages, num_microbatches, forward_only=forward_only
+            )
+        return self._schedules[key]
+
+    @override
+    def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        module = self.lightning_module
+        stage_module = self._stage_module
+        assert module is not None and stage_module is not None and self.model is not None
+        trainer = module.trainer
+        batch, rest = args[0], args[1:]
+        microbatches, sizes = split_batch(batch, self.microbatches)
+        total = sum(sizes)
+        weights = [size / total / trainer.accumulate_grad_batches for size in sizes]
+        first, last = self.stage == 0, self.stage == self.num_stages - 1
+        losses: dict[int, float] = {}
+
+        def run_user_step(mb: int, received: Tensor | None) -> Any:
+            stage_module.calls = 0
+            stage_module.received = received
+            try:
+                with self._log_recorder.recording(module, mb if last else None):
+                    return module.training_step(microbatches[mb], *rest, **kwargs)
+            finally:
+                stage_module.received = None
+
+        def forward(mb: int, received: Tensor | None) -> Tensor:
+            if not first and not last:
+                return stage_module.run_layers(received)
+            try:
+                output = run_user_step(mb, received)
+            except _SequentialOutput as stop:
+                return stop.output
+            if stage_module.calls == 0:
+                raise PipelineConfigError(
+                    f"training_step returned without calling `self.{stage_module.attribute}`. A pipelined step must "
+                    f"call the partitioned sequential once (call it, do not iterate over its layers)."
+                )
+            loss = output.get("loss") if isinstance(output, Mapping) else output
+            if not isinstance(loss, Tensor):
+                raise PipelineConfigError(
+                    f"training_step returned {type(output).__name__}; with PipelineParallelStrategy it must return "
+                    f"the loss tensor or a dict with a 'loss' tensor (skipping a step by returning None is not "
+                    f"supported)."
+                )
+            losses[mb] = float(loss.detach())
+            return loss * weights[mb]
+
+        # Lightning zeroes gradients between training_step and backward; keep this step's gradients aside and hand
+        # them over in `backward`, leaving earlier (accumulated) gradients for Lightning to manage
+        params = [p for p in module.parameters() if p.requires_grad]
+        previous = [p.grad for p in params]
+        for p in params:
+            p.grad = None
+        events: list[TimelineEvent] | None = [] if self.timing_sink is not None else None
+        synchronize = torch.cuda.synchronize if self.root_device.type == "cuda" else None
+        with self.precision_plugin.train_step_context():
+            run_stage(
+                self._schedule(len(microbatches), forward_only=False).actions[self.stage],
+                forward,
+                self._p2p if self.num_stages > 1 else None,
+                is_last=last,
+                training=True,
+                events=events,
+                synchronize=synchronize,
+            )
+        self._sum_replicated_grads()
+        self._pending_grads = [p.grad for p in params]
+        for p, grad in zip(params, previous):
+            p.grad = grad
+
+        records: list[LogRecord] = self._log_recorder.combine(sizes) if last else []
+        loss_value = sum(losses[mb] * sizes[mb] for mb in losses) / total if last else 0.0
+        loss_value, records = self._from_last_stage((loss_value, records))
+        replay(module, records)
+        if events is not None and self.timing_sink is not None:
+            self.timing_sink(events)
+        return torch.tensor(loss_value, dtype=torch.get_default_dtype(), device=self.root_device)
+
+    def _from_last_stage(self, payload: Any) -> Any:
+        if self.num_stages == 1:
+            return payload
+        box = [payload]
+        dist.broadcast_object_list(box, src=self.num_stages - 1)
+        return box[0]
+
+    def _sum_replicated_grads(self) -> None:
+        """Sum the gradients of parameters outside the sequential over all stages (one collective per dtype)."""
+        if self.num_stages == 1 or not self._replicated:
+            return
+        has_grad = torch.tensor([p.grad is not None for p in self._replicated], dtype=torch.int32,
+                                device=self.root_device)
+        dist.all_reduce(has_grad)
+        used = [p for p, n in zip(self._replicated, has_grad.tolist()) if n > 0]
+        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
+        for p in used:
+            by_dtype.setdefault(p.dtype, []).append(p)
+        for group in by_dtype.values():
+            flat = torch.cat([
+                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in group
+            ])
+            dist.all_reduce(flat)
+            offset = 0
+            for p in group:
+                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+
+    @override
+    def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
+        """Hand over the gradients the schedule computed; never back-propagate ``closure_loss`` again."""
+        module = self.lightning_module
+        assert module is not None
+        self.pre_backward(closure_loss)
+        closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
+        if self._pending_grads is not None:
+            params = [p for p in module.parameters() if p.requires_grad]
+            for p, grad in zip(params, self._pending_grads):
+                if grad is None:
+                    continue
+                if p.grad is None:
+                    p.grad = grad
+                else:
+                    p.grad.add_(grad)
+            self._pending_grads = None
+        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        self.post_backward(closure_loss)
+        return closure_loss
+
+    @override
+    def teardown(self) -> None:
+        self._p2p = None
+        super().teardown()
+
+
+StrategyRegistry.register(
+    PipelineParallelStrategy.strategy_name,
+    PipelineParallelStrategy,
+    description="Pipeline parallelism over the LightningModule's nn.Sequential (lightning_pp)",
+)

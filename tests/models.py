@@ -1,0 +1,114 @@
+"""LightningModules written as a user would (no pipeline in mind), and the runs the equivalence tests compare."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import Logger
+from lightning.pytorch.utilities.rank_zero import rank_zero_only
+from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
+
+
+class RecordingLogger(Logger):
+    """Keeps every `log_metrics` call in memory (Lightning calls it on global rank 0 only)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.history: list[tuple[int, dict[str, float]]] = []
+
+    @property
+    def name(self) -> str:
+        return "recording"
+
+    @property
+    def version(self) -> int:
+        return 0
+
+    @rank_zero_only
+    def log_hyperparams(self, params: Any, *args: Any, **kwargs: Any) -> None:
+        pass
+
+    @rank_zero_only
+    def log_metrics(self, metrics: dict[str, float], step: int | None = None) -> None:
+        self.history.append((int(step or 0), {k: float(v) for k, v in metrics.items()}))
+
+
+class MLPClassifier(L.LightningModule):
+    """Input projection and head outside the sequential; hidden sizes change between layers (and stages)."""
+
+    def __init__(self, in_features: int = 10, classes: int = 5) -> None:
+        super().__init__()
+        self.inp = nn.Linear(in_features, 16)
+        self.layers = nn.Sequential(
+            nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 12), nn.Tanh(),
+            nn.Linear(12, 20), nn.Tanh(), nn.Linear(20, 16), nn.Tanh(),
+        )  # fmt: skip
+        self.head = nn.Linear(16, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers(torch.relu(self.inp(x))))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        loss = nn.functional.cross_entropy(logits, y)
+        self.log("train_loss", loss, prog_bar=True)
+        self.log("train_correct", (logits.argmax(-1) == y).sum().float(), reduce_fx="sum")
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=0.01, weight_decay=0.01)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class TiedLM(L.LightningModule):
+    """A tiny language model whose head reuses the token embedding (stage 0 and the last stage share a weight)."""
+
+    def __init__(self, vocab: int = 13, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(vocab, dim)
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(dim, dim), nn.GELU()) for _ in range(4)])
+        self.norm = nn.LayerNorm(dim)
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> dict[str, torch.Tensor]:
+        tokens = batch[0]
+        hidden = self.norm(self.blocks(self.embed(tokens[:, :-1])))
+        logits = hidden @ self.embed.weight.T
+        loss = nn.functional.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+        self.log("train_loss", loss)
+        return {"loss": loss}
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=0.02)
+
+
+def make_data(model_name: str, batch_size: int = 8, batches: int = 4) -> DataLoader:
+    generator = torch.Generator().manual_seed(1234)
+    n = batch_size * batches
+    if model_name == "mlp":
+        dataset = TensorDataset(torch.randn(n, 10, generator=generator), torch.randint(0, 5, (n,), generator=generator))
+    else:
+        dataset = TensorDataset(torch.randint(0, 13, (n, 6), generator=generator))
+    return DataLoader(dataset, batch_size=batch_size, shuffle=False)
+
+
+MODELS = {"mlp": MLPClassifier, "tied": TiedLM}
+
+
+def fit(model_name: str, strategy: Any = "auto", devices: int = 1, max_steps: int = 4,
+        batch_size: int = 8, **trainer_kwargs: Any) -> tuple[L.LightningModule, RecordingLogger]:
+    """Seed, build, train; the same call runs the single-device reference and each pipelined rank."""
+    L.seed_everything(7, verbose=False)
+    model = MODELS[model_name]()
+    logger = RecordingLogger()
+    trainer = L.Trainer(
+        accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps, logger=logger,
+        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+        num_sanity_val_steps=0, **trainer_kwargs,
+    )  # fmt: skip
+    trainer.fit(model, make_data(model_name, batch_size=batch_size))
+    return model, logger

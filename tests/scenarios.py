@@ -1,0 +1,43 @@
+"""What a rank of a multi-process test does; each function returns what the test compares (saved per rank)."""
+
+from __future__ import annotations
+
+import os
+import signal
+from typing import Any
+
+import torch
+
+from lightning_pp import PipelineParallelStrategy
+from models import fit
+
+
+def train(model: str, max_steps: int = 4, batch_size: int = 8, trainer: dict[str, Any] | None = None,
+          **strategy: Any) -> dict[str, Any]:
+    """Train pipelined; return this stage's parameters and (on rank 0) the logged metrics."""
+    module, logger = fit(model, PipelineParallelStrategy(timeout=60, **strategy),
+                         devices=int(os.environ["WORLD_SIZE"]), max_steps=max_steps, batch_size=batch_size,
+                         **(trainer or {}))
+    return {"state": {k: v.detach().clone() for k, v in module.state_dict().items()}, "history": logger.history,
+            "callback_metrics": {k: float(v) for k, v in module.trainer.callback_metrics.items()}}
+
+
+def expect_error(model: str, trainer: dict[str, Any] | None = None, **strategy: Any) -> dict[str, str]:
+    """Run a configuration that must fail; return the error instead of dying, so one job checks several."""
+    try:
+        train(model, **strategy, trainer=trainer)
+    except Exception as error:  # noqa: BLE001 - the test inspects type and message
+        return {"type": type(error).__name__, "message": str(error)}
+    return {"type": "none", "message": "no error raised"}
+
+
+def die_at_step(model: str, rank_to_kill: int, step: int, **strategy: Any) -> dict[str, Any]:
+    """Rank ``rank_to_kill`` SIGKILLs itself at the start of ``step``; the others must fail with a timeout error."""
+    import lightning as L
+
+    class Killer(L.Callback):
+        def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step == step and trainer.global_rank == rank_to_kill:
+                os.kill(os.getpid(), signal.SIGKILL)
+
+    return train(model, trainer={"callbacks": [Killer()]}, **strategy)
