@@ -4,7 +4,8 @@ from __future__ import annotations
 
 import logging
 from collections import OrderedDict
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -85,6 +86,22 @@ class _StageSequential(nn.Sequential):
             f"can only be called inside a pipelined training_step. Validation, test and predict steps and calls from "
             f"other hooks are not supported by PipelineParallelStrategy yet."
         )
+
+
+@contextmanager
+def _stage_rng(stage: int) -> Iterator[None]:
+    """Give each stage its own CPU random stream inside a step, and leave the generator identical on all stages.
+
+    Stages consume random numbers differently (dropout in their own layers), which would otherwise make a shuffling
+    sampler draw different batches on different stages.
+    """
+    step_seed = int(torch.randint(2**62, (), dtype=torch.int64))  # the same draw on every stage
+    after_step = torch.get_rng_state()
+    torch.default_generator.manual_seed(step_seed + stage)
+    try:
+        yield
+    finally:
+        torch.set_rng_state(after_step)
 
 
 def _find_sequential(module: nn.Module, name: str | None) -> tuple[str, nn.Sequential]:
@@ -237,9 +254,11 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     @property
     def is_distributed(self) -> bool:
-        # Lightning only honours `sync_dist` and installs the DistributedSampler (which makes every stage load the
-        # same batch even with shuffling) for strategies that say they are distributed
-        return True
+        # With one data-parallel replica there is nothing to shard or to sync: saying "not distributed" keeps the
+        # user's DataLoader as it is (Lightning would inject an always-shuffling DistributedSampler) and makes
+        # `sync_dist` a no-op, both exactly as on one device. Stages agree on shuffled batches because every step
+        # leaves the CPU random generator in the same state on every stage (see `_stage_rng`).
+        return False
 
     @property
     @override
@@ -439,7 +458,7 @@ class PipelineParallelStrategy(ParallelStrategy):
             p.grad = None
         events: list[TimelineEvent] | None = [] if self.timing_sink is not None else None
         synchronize = torch.cuda.synchronize if self.root_device.type == "cuda" else None
-        with self.precision_plugin.train_step_context():
+        with self.precision_plugin.train_step_context(), _stage_rng(self.stage):
             run_stage(
                 self._schedule(len(microbatches), forward_only=False).actions[self.stage],
                 forward,

@@ -11,12 +11,14 @@ import torch
 from lightning_pp import PipelineParallelStrategy
 from models import fit
 
+WORLD_SIZE = int(os.environ["WORLD_SIZE"])  # read once: Lightning's environment deletes it at teardown
+
 
 def train(model: str, max_steps: int = 4, batch_size: int = 8, trainer: dict[str, Any] | None = None,
           **strategy: Any) -> dict[str, Any]:
     """Train pipelined; return this stage's parameters and (on rank 0) the logged metrics."""
     module, logger = fit(model, PipelineParallelStrategy(timeout=60, **strategy),
-                         devices=int(os.environ["WORLD_SIZE"]), max_steps=max_steps, batch_size=batch_size,
+                         devices=WORLD_SIZE, max_steps=max_steps, batch_size=batch_size,
                          **(trainer or {}))
     return {"state": {k: v.detach().clone() for k, v in module.state_dict().items()}, "history": logger.history,
             "callback_metrics": {k: float(v) for k, v in module.trainer.callback_metrics.items()}}

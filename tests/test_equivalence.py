@@ -1,0 +1,84 @@
+"""Multi-process tier: pipelined training on gloo equals single-device Lightning training (fp32, tight tolerance)."""
+
+from __future__ import annotations
+
+from functools import cache
+from typing import Any
+
+import pytest
+import torch
+
+from _launch import launch
+from models import fit
+
+RTOL, ATOL = 1e-5, 5e-6  # fp32: micro-batch gradient sums differ from full-batch ones in the last bits
+LOSS_TOL = 1e-5
+SCHEDULE_NAMES = ["naive", "gpipe", "1f1b"]
+
+
+@cache
+def reference(model: str, max_steps: int = 4, batch_size: int = 8, **trainer: Any) -> dict[str, Any]:
+    module, logger = fit(model, max_steps=max_steps, batch_size=batch_size, **trainer)
+    return {"state": {k: v.detach().clone() for k, v in module.state_dict().items()}, "history": logger.history}
+
+
+def assemble(ranks: list, index: int) -> tuple[dict[str, torch.Tensor], list]:
+    """The full model from every stage's parameters; replicated ones must agree across stages exactly."""
+    full: dict[str, torch.Tensor] = {}
+    for rank in ranks:
+        assert index not in rank.errors, rank.errors[index]["traceback"]
+        for name, value in rank.results[index]["state"].items():
+            if name in full:
+                assert torch.equal(full[name], value), f"replicated {name} differs between stages"
+            else:
+                full[name] = value
+    return full, ranks[0].results[index]["history"]
+
+
+def assert_matches(full: dict[str, torch.Tensor], history: list, expected: dict[str, Any], label: str) -> None:
+    assert sorted(full) == sorted(expected["state"]), label
+    worst = max((full[n] - v).abs().max().item() for n, v in expected["state"].items())
+    print(f"{label}: max |param difference| {worst:.2e}")
+    for name, value in expected["state"].items():
+        torch.testing.assert_close(full[name], value, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{label} {n}: {m}")
+    logged = [(step, m["train_loss"]) for step, m in history if "train_loss" in m]
+    wanted = [(step, m["train_loss"]) for step, m in expected["history"] if "train_loss" in m]
+    assert [s for s, _ in logged] == [s for s, _ in wanted], label
+    for (_, got), (_, want) in zip(logged, wanted):
+        assert abs(got - want) <= LOSS_TOL, f"{label}: logged loss {got} vs single-device {want}"
+    for key in {k for _, m in expected["history"] for k in m} - {"epoch"}:
+        got_values = [m[key] for _, m in history if key in m]
+        want_values = [m[key] for _, m in expected["history"] if key in m]
+        assert got_values == pytest.approx(want_values, abs=LOSS_TOL), f"{label}: {key}"
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_every_schedule_matches_single_device(world_size: int) -> None:
+    """naive, gpipe, 1f1b x micro-batch counts 1, p, 2p and one that does not divide the batch of 8."""
+    microbatch_counts = [1, world_size, 2 * world_size, 3]
+    runs = [{"scenario": "train", "kwargs": {"model": "mlp", "schedule": s, "microbatches": m}}
+            for s in SCHEDULE_NAMES for m in microbatch_counts]
+    runs += [{"scenario": "train", "kwargs": {"model": "tied", "schedule": s, "microbatches": world_size}}
+             for s in SCHEDULE_NAMES]
+    ranks = launch(world_size, runs, timeout=400)
+    for index, run in enumerate(runs):
+        full, history = assemble(ranks, index)
+        label = f"{world_size} stages {run['kwargs']}"
+        assert_matches(full, history, reference(run["kwargs"]["model"]), label)
+
+
+def test_balance_accumulation_and_uneven_batches() -> None:
+    """A custom balance, accumulate_grad_batches=2, and a batch of 7 split into 2 micro-batches of 4 and 3."""
+    runs = [
+        {"scenario": "train", "kwargs": {"model": "mlp", "schedule": "1f1b", "microbatches": 2, "balance": [2, 6]}},
+        {"scenario": "train", "kwargs": {"model": "mlp", "schedule": "gpipe", "microbatches": 2,
+                                         "trainer": {"accumulate_grad_batches": 2}}},
+        {"scenario": "train", "kwargs": {"model": "mlp", "schedule": "1f1b", "microbatches": 2, "batch_size": 7}},
+    ]
+    ranks = launch(2, runs, timeout=300)
+    expected = [reference("mlp"), reference("mlp", accumulate_grad_batches=2), reference("mlp", batch_size=7)]
+    for index, run in enumerate(runs):
+        full, history = assemble(ranks, index)
+        assert_matches(full, history, expected[index], str(run["kwargs"]))
+    assert sorted(k for k in ranks[0].results[0]["state"] if k.startswith("layers.")) == [
+        "layers.0.bias", "layers.0.weight"]
