@@ -62,10 +62,26 @@ class _StageSequential(nn.Sequential):
         self.attribute = attribute
         self.received: Tensor | None = None
         self.calls = 0
+        self.in_user_step = False  # set by the strategy while the user's step runs on this stage
+        self._applying = False
 
     def run_layers(self, input: Any) -> Any:  # noqa: A002 - nn.Sequential's name
         """Apply this stage's layers (what a middle stage does with a received activation)."""
-        return super().forward(input)
+        self._applying = True
+        try:
+            return super().forward(input)
+        finally:
+            self._applying = False
+
+    @override
+    def __iter__(self) -> Iterator[nn.Module]:
+        if self.in_user_step and not self._applying:
+            raise PipelineConfigError(
+                f"The step iterates over `self.{self.attribute}`, which holds only the layers "
+                f"{list(self._modules)} of pipeline stage {self.stage}. Call `self.{self.attribute}(x)` once instead; "
+                f"the pipeline applies the other stages' layers."
+            )
+        return super().__iter__()
 
     @override
     def forward(self, input: Any) -> Any:  # noqa: A002 - nn.Sequential's name
@@ -76,11 +92,11 @@ class _StageSequential(nn.Sequential):
                 f"partitioned sequential exactly once per micro-batch."
             )
         if self.num_stages == 1:
-            return super().forward(input)
+            return self.run_layers(input)
         if self.stage == 0:
-            raise _SequentialOutput(super().forward(input))
+            raise _SequentialOutput(self.run_layers(input))
         if self.stage == self.num_stages - 1 and self.received is not None:
-            return super().forward(self.received)
+            return self.run_layers(self.received)
         raise PipelineConfigError(
             f"`self.{self.attribute}` holds only the layers {list(self._modules)} of pipeline stage {self.stage}; it "
             f"can only be called inside a pipelined training_step. Validation, test and predict steps and calls from "
@@ -422,11 +438,13 @@ class PipelineParallelStrategy(ParallelStrategy):
         def run_user_step(mb: int, received: Tensor | None) -> Any:
             stage_module.calls = 0
             stage_module.received = received
+            stage_module.in_user_step = True
             try:
                 with self._log_recorder.recording(module, mb if last else None):
                     return module.training_step(microbatches[mb], *rest, **kwargs)
             finally:
                 stage_module.received = None
+                stage_module.in_user_step = False
 
         def forward(mb: int, received: Tensor | None) -> Tensor:
             if not first and not last:

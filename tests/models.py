@@ -86,17 +86,49 @@ class TiedLM(L.LightningModule):
         return torch.optim.AdamW(self.parameters(), lr=0.02)
 
 
+class TwoSequentials(MLPClassifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.encoder = self.layers
+        self.decoder = nn.Sequential(nn.Identity())
+        del self.layers
+
+
+class TooFewLayers(MLPClassifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(16, 16))
+
+
+class ManualOptimization(MLPClassifier):
+    def __init__(self) -> None:
+        super().__init__()
+        self.automatic_optimization = False
+
+
+class NoSequentialCall(MLPClassifier):
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        hidden = torch.relu(self.inp(x))
+        for layer in self.layers:  # iterates instead of calling the sequential
+            hidden = layer(hidden)
+        return nn.functional.cross_entropy(self.head(hidden), y)
+
+
 def make_data(model_name: str, batch_size: int = 8, batches: int = 4) -> DataLoader:
     generator = torch.Generator().manual_seed(1234)
     n = batch_size * batches
-    if model_name == "mlp":
+    if model_name != "tied":
         dataset = TensorDataset(torch.randn(n, 10, generator=generator), torch.randint(0, 5, (n,), generator=generator))
     else:
         dataset = TensorDataset(torch.randint(0, 13, (n, 6), generator=generator))
     return DataLoader(dataset, batch_size=batch_size, shuffle=False)
 
 
-MODELS = {"mlp": MLPClassifier, "tied": TiedLM}
+MODELS: dict[str, type[L.LightningModule]] = {
+    "mlp": MLPClassifier, "tied": TiedLM, "two_sequentials": TwoSequentials, "too_few_layers": TooFewLayers,
+    "manual": ManualOptimization, "no_sequential_call": NoSequentialCall,
+}
 
 
 def fit(model_name: str, strategy: Any = "auto", devices: int = 1, max_steps: int = 4,

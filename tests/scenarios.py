@@ -15,9 +15,9 @@ WORLD_SIZE = int(os.environ["WORLD_SIZE"])  # read once: Lightning's environment
 
 
 def train(model: str, max_steps: int = 4, batch_size: int = 8, trainer: dict[str, Any] | None = None,
-          **strategy: Any) -> dict[str, Any]:
+          timeout: float = 60, **strategy: Any) -> dict[str, Any]:
     """Train pipelined; return this stage's parameters and (on rank 0) the logged metrics."""
-    module, logger = fit(model, PipelineParallelStrategy(timeout=60, **strategy),
+    module, logger = fit(model, PipelineParallelStrategy(timeout=timeout, **strategy),
                          devices=WORLD_SIZE, max_steps=max_steps, batch_size=batch_size,
                          **(trainer or {}))
     return {"state": {k: v.detach().clone() for k, v in module.state_dict().items()}, "history": logger.history,
@@ -43,3 +43,18 @@ def die_at_step(model: str, rank_to_kill: int, step: int, **strategy: Any) -> di
                 os.kill(os.getpid(), signal.SIGKILL)
 
     return train(model, trainer={"callbacks": [Killer()]}, **strategy)
+
+
+def hang_at_step(model: str, rank_to_hang: int, step: int, **strategy: Any) -> dict[str, Any]:
+    """Rank ``rank_to_hang`` stops responding (sleeps) at ``step``, then exits once the others have failed."""
+    import time
+
+    import lightning as L
+
+    class Sleeper(L.Callback):
+        def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step == step and trainer.global_rank == rank_to_hang:
+                time.sleep(3 * strategy.get("timeout", 60))
+                os._exit(3)
+
+    return train(model, trainer={"callbacks": [Sleeper()]}, **strategy)

@@ -1,0 +1,69 @@
+"""Multi-process tier: bad configurations fail on every rank with our error; a dead peer is an error, not a hang."""
+
+from __future__ import annotations
+
+import time
+
+from _launch import launch
+
+
+def test_configuration_errors_on_every_rank() -> None:
+    runs = [
+        {"scenario": "expect_error", "kwargs": {"model": "mlp", "balance": [3, 3]}},
+        {"scenario": "expect_error", "kwargs": {"model": "mlp", "balance": [1, 1, 6]}},
+        {"scenario": "expect_error", "kwargs": {"model": "mlp", "sequential": "head"}},
+        {"scenario": "expect_error", "kwargs": {"model": "two_sequentials"}},
+        {"scenario": "expect_error", "kwargs": {"model": "too_few_layers"}},
+        {"scenario": "expect_error", "kwargs": {"model": "manual"}},
+        {"scenario": "expect_error", "kwargs": {"model": "mlp", "microbatches": 16}},
+    ]
+    expected = [
+        r"balance=[3, 3] sums to 6 but the sequential has 8 layers",
+        r"balance=[1, 1, 6] describes 3 stages but the Trainer runs 2 processes",
+        r"has no nn.Sequential at 'head'. Direct nn.Sequential attributes: ['layers']",
+        r"found 2: ['encoder', 'decoder']. Name the one to partition",
+        r"The sequential has 1 layers but the pipeline has 2 stages",
+        r"uses manual optimization",
+        r"A batch of 8 samples cannot be split into 16 micro-batches",
+    ]
+    ranks = launch(2, runs, timeout=200)
+    for rank in ranks:
+        assert rank.returncode == 0, rank.output[-3000:]
+        for index, message in enumerate(expected):
+            error = rank.results[index]
+            assert error["type"] == "PipelineConfigError", (message, error)
+            assert message in error["message"], (message, error["message"])
+
+
+def test_user_error_on_one_stage_reaches_the_other() -> None:
+    """The first stage's step fails (it iterates over the sequential); the last stage must not wait forever."""
+    ranks = launch(2, [{"scenario": "train", "kwargs": {"model": "no_sequential_call", "timeout": 20}}], timeout=120)
+    assert ranks[0].errors[0]["type"] == "PipelineConfigError"
+    assert "The step iterates over `self.layers`" in ranks[0].errors[0]["message"]
+    error = ranks[1].errors[0]
+    assert error["type"] in ("PipelineTimeoutError", "PipelineCommError"), error
+    assert "Pipeline stage 1 (rank 1) failed in action 1RECV_F0" in error["message"]
+    assert "peer stage 0 (rank 0)" in error["message"]
+
+
+def test_dead_peer_raises_timeout_on_the_other_rank() -> None:
+    start = time.monotonic()
+    ranks = launch(2, [{"scenario": "die_at_step", "kwargs": {"model": "mlp", "rank_to_kill": 1, "step": 2,
+                                                               "timeout": 5}}], timeout=120)
+    assert time.monotonic() - start < 100
+    assert ranks[1].returncode == -9
+    error = ranks[0].errors[0]
+    assert error["type"] in ("PipelineTimeoutError", "PipelineCommError"), error
+    assert "Pipeline stage 0 (rank 0) failed in action 0" in error["message"]
+    assert "peer stage 1 (rank 1)" in error["message"]
+
+
+def test_hung_middle_stage_fails_every_other_stage() -> None:
+    """Stage 1 of 4 stops responding: its neighbours time out naming it; the far stage times out too."""
+    ranks = launch(4, [{"scenario": "hang_at_step", "kwargs": {"model": "mlp", "rank_to_hang": 1, "step": 1,
+                                                                "timeout": 5}}], timeout=150)
+    for rank in (0, 2, 3):
+        error = ranks[rank].errors.get(0)
+        assert error is not None, ranks[rank].output[-2000:]
+        assert error["type"] in ("PipelineTimeoutError", "PipelineCommError"), error
+        assert f"Pipeline stage {rank} (rank {rank}) failed in action {rank}" in error["message"], error["message"]
