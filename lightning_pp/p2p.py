@@ -31,6 +31,12 @@ _MAX_DIMS = 8
 _HEADER_LEN = 2 + _MAX_DIMS
 
 
+def _posted(work: dist.Work | None) -> dist.Work:
+    if work is None:  # torch returns None when this rank is not in the group
+        raise RuntimeError("this rank is not a member of the pipeline's process group")
+    return work
+
+
 class StageP2P:
     """The transfers of one stage: ``send`` posts and returns, ``recv`` waits for the peer (bounded by ``timeout``)."""
 
@@ -62,7 +68,8 @@ class StageP2P:
         payload = tensor.detach().contiguous()
         peer = self.stage_ranks[action.peer]
         try:
-            works = [dist.isend(header, peer, group=self.group), dist.isend(payload, peer, group=self.group)]
+            works = [_posted(dist.isend(header, peer, group=self.group)),
+                     _posted(dist.isend(payload, peer, group=self.group))]
         except RuntimeError as error:
             raise self._error(action, "posting the send", error) from error
         self._pending_sends.append((action, works, (header, payload)))
@@ -87,7 +94,7 @@ class StageP2P:
 
     def _irecv(self, buffer: torch.Tensor, peer: int, action: Action) -> dist.Work:
         try:
-            return dist.irecv(buffer, peer, group=self.group)
+            return _posted(dist.irecv(buffer, peer, group=self.group))
         except RuntimeError as error:
             raise self._error(action, "posting the receive", error) from error
 

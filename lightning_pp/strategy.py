@@ -39,7 +39,7 @@ __all__ = ["PipelineParallelStrategy"]
 log = logging.getLogger(__name__)
 
 
-class _SequentialOutput(BaseException):  # noqa: N818 - control flow, not an error; BaseException passes `except Exception`
+class _SequentialOutput(BaseException):
     """Raised by the first stage's sequential to stop the user's step once the stage's output exists."""
 
     def __init__(self, output: Tensor) -> None:
@@ -65,7 +65,7 @@ class _StageSequential(nn.Sequential):
         self.in_user_step = False  # set by the strategy while the user's step runs on this stage
         self._applying = False
 
-    def run_layers(self, input: Any) -> Any:  # noqa: A002 - nn.Sequential's name
+    def run_layers(self, input: Any) -> Any:
         """Apply this stage's layers (what a middle stage does with a received activation)."""
         self._applying = True
         try:
@@ -84,7 +84,7 @@ class _StageSequential(nn.Sequential):
         return super().__iter__()
 
     @override
-    def forward(self, input: Any) -> Any:  # noqa: A002 - nn.Sequential's name
+    def forward(self, input: Any) -> Any:
         self.calls += 1
         if self.calls > 1:
             raise PipelineConfigError(
@@ -300,7 +300,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_stages)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         backend = self._process_group_backend or _compat._get_default_process_group_backend_for_device(
             self.root_device
         )
@@ -488,7 +488,7 @@ class PipelineParallelStrategy(ParallelStrategy):
             )
         self._sum_replicated_grads()
         self._pending_grads = [p.grad for p in params]
-        for p, grad in zip(params, previous):
+        for p, grad in zip(params, previous, strict=True):
             p.grad = grad
 
         records: list[LogRecord] = self._log_recorder.combine(sizes) if last else []
@@ -513,7 +513,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         has_grad = torch.tensor([p.grad is not None for p in self._replicated], dtype=torch.int32,
                                 device=self.root_device)
         dist.all_reduce(has_grad)
-        used = [p for p, n in zip(self._replicated, has_grad.tolist()) if n > 0]
+        used = [p for p, n in zip(self._replicated, has_grad.tolist(), strict=True) if n > 0]
         by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
         for p in used:
             by_dtype.setdefault(p.dtype, []).append(p)
@@ -536,7 +536,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         if self._pending_grads is not None:
             params = [p for p in module.parameters() if p.requires_grad]
-            for p, grad in zip(params, self._pending_grads):
+            for p, grad in zip(params, self._pending_grads, strict=True):
                 if grad is None:
                     continue
                 if p.grad is None:

@@ -6,10 +6,9 @@ import os
 import signal
 from typing import Any
 
-import torch
+from models import fit
 
 from lightning_pp import PipelineParallelStrategy
-from models import fit
 
 WORLD_SIZE = int(os.environ["WORLD_SIZE"])  # read once: Lightning's environment deletes it at teardown
 
@@ -28,7 +27,7 @@ def expect_error(model: str, trainer: dict[str, Any] | None = None, **strategy: 
     """Run a configuration that must fail; return the error instead of dying, so one job checks several."""
     try:
         train(model, **strategy, trainer=trainer)
-    except Exception as error:  # noqa: BLE001 - the test inspects type and message
+    except Exception as error:
         return {"type": type(error).__name__, "message": str(error)}
     return {"type": "none", "message": "no error raised"}
 

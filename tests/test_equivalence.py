@@ -7,7 +7,6 @@ from typing import Any
 
 import pytest
 import torch
-
 from _launch import launch
 from models import fit
 
@@ -44,7 +43,7 @@ def assert_matches(full: dict[str, torch.Tensor], history: list, expected: dict[
     logged = [(step, m["train_loss"]) for step, m in history if "train_loss" in m]
     wanted = [(step, m["train_loss"]) for step, m in expected["history"] if "train_loss" in m]
     assert [s for s, _ in logged] == [s for s, _ in wanted], label
-    for (_, got), (_, want) in zip(logged, wanted):
+    for (_, got), (_, want) in zip(logged, wanted, strict=True):
         assert abs(got - want) <= LOSS_TOL, f"{label}: logged loss {got} vs single-device {want}"
     for key in {k for _, m in expected["history"] for k in m} - {"epoch"}:
         got_values = [m[key] for _, m in history if key in m]

@@ -104,7 +104,7 @@ def test_validator_reports_missing_and_unmatched_actions() -> None:
     with pytest.raises(PipelineScheduleError, match="1F1 runs before its RECV_F") as info:
         validate_schedule(unmatched, 2)
     assert ">>1F1<<" in str(info.value)
-    backward_first = [[Action.parse(c) for c in "0B0 0F0".split()]]
+    backward_first = [[Action.parse(c) for c in ["0B0", "0F0"]]]
     with pytest.raises(PipelineScheduleError, match="before the forward"):
         validate_schedule(backward_first, 1)
 

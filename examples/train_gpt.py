@@ -1,0 +1,134 @@
+"""Train a small GPT-style character model pipeline-parallel on CPU with 2 processes (under a minute).
+
+    python examples/train_gpt.py
+
+The transformer blocks live in an ``nn.Sequential`` and are split over the two processes; the token embedding, the
+position embedding and the head (tied to the token embedding) sit outside it and are replicated. The module is
+written as for single-device Lightning: only the Trainer's strategy names the pipeline. TensorBoard logs go to
+``lightning_logs/gpt_pipeline``: ``tensorboard --logdir lightning_logs``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.loggers import TensorBoardLogger
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, Dataset
+
+from lightning_pp import PipelineParallelStrategy
+
+WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog",
+         "a", "pipeline", "keeps", "every", "device", "busy"]
+
+
+def make_corpus(length: int = 60_000, seed: int = 0) -> str:
+    """Sentences of 4 to 9 words drawn from a fixed vocabulary: learnable structure, no download."""
+    generator = torch.Generator().manual_seed(seed)
+    words: list[str] = []
+    while sum(len(w) + 1 for w in words) < length:
+        count = int(torch.randint(4, 10, (), generator=generator))
+        sentence = [WORDS[int(i)] for i in torch.randint(len(WORDS), (count,), generator=generator)]
+        words += [*sentence[:-1], sentence[-1] + "."]
+    return " ".join(words)[:length]
+
+
+class CharDataset(Dataset):
+    def __init__(self, text: str, block_size: int) -> None:
+        self.chars = sorted(set(text))
+        self.data = torch.tensor([self.chars.index(c) for c in text], dtype=torch.long)
+        self.block_size = block_size
+
+    def __len__(self) -> int:
+        return len(self.data) - self.block_size - 1
+
+    def __getitem__(self, index: int) -> torch.Tensor:
+        return self.data[index : index + self.block_size + 1]
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: causal self-attention, then an MLP, each with a residual."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm1 = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.proj = nn.Linear(dim, dim)
+        self.norm2 = nn.LayerNorm(dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        batch, length, dim = x.shape
+        q, k, v = self.qkv(self.norm1(x)).split(dim, dim=2)
+        q, k, v = (t.view(batch, length, self.heads, dim // self.heads).transpose(1, 2) for t in (q, k, v))
+        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, dim))
+        return x + self.mlp(self.norm2(x))
+
+
+class GPT(L.LightningModule):
+    def __init__(self, vocab_size: int, block_size: int = 32, dim: int = 64, layers: int = 4, heads: int = 4,
+                 lr: float = 3e-3) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.token_embedding = nn.Embedding(vocab_size, dim)
+        self.position_embedding = nn.Embedding(block_size, dim)
+        self.blocks = nn.Sequential(*[Block(dim, heads) for _ in range(layers)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, vocab_size, bias=False)
+        self.head.weight = self.token_embedding.weight  # tied: stage 0 and the last stage share this weight
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        x = self.token_embedding(tokens) + self.position_embedding(positions)
+        return self.head(self.norm(self.blocks(x)))
+
+    def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+        logits = self(batch[:, :-1])
+        loss = F.cross_entropy(logits.reshape(-1, logits.shape[-1]), batch[:, 1:].reshape(-1))
+        self.log("train_loss", loss, prog_bar=True)
+        self.log("perplexity", torch.exp(loss))
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams.lr, weight_decay=0.01)
+        total = self.trainer.max_steps
+        scheduler = torch.optim.lr_scheduler.LambdaLR(optimizer, lambda s: 0.5 * (1 + math.cos(math.pi * s / total)))
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--max-steps", type=int, default=150)
+    parser.add_argument("--schedule", default="1f1b", choices=["naive", "gpipe", "1f1b"])
+    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--log-dir", default="lightning_logs")
+    args = parser.parse_args()
+
+    torch.set_num_threads(1)  # one core per process: the two stages run side by side on a 2-core machine
+    L.seed_everything(0, verbose=False)
+    dataset = CharDataset(make_corpus(), block_size=32)
+    model = GPT(vocab_size=len(dataset.chars))
+    trainer = L.Trainer(
+        accelerator="cpu",
+        devices=args.devices,
+        strategy=PipelineParallelStrategy(schedule=args.schedule, microbatches=args.microbatches),
+        max_steps=args.max_steps,
+        logger=TensorBoardLogger(args.log_dir, name="gpt_pipeline"),
+        log_every_n_steps=10,
+        enable_checkpointing=False,
+    )
+    trainer.fit(model, DataLoader(dataset, batch_size=16, shuffle=True))
+    if trainer.is_global_zero:
+        print(f"final train_loss {float(trainer.callback_metrics['train_loss']):.3f}")
+
+
+if __name__ == "__main__":
+    main()
