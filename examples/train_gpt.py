@@ -5,7 +5,8 @@
 The transformer blocks live in an ``nn.Sequential`` and are split over the two processes; the token embedding, the
 position embedding and the head (tied to the token embedding) sit outside it and are replicated. The module is
 written as for single-device Lightning: only the Trainer's strategy names the pipeline. TensorBoard logs go to
-``lightning_logs/gpt_pipeline``: ``tensorboard --logdir lightning_logs``.
+``lightning_logs/gpt_pipeline`` (loss, perplexity and the PipelineMonitor's ``pipeline/*`` timings and timeline
+image): ``tensorboard --logdir lightning_logs``. Perfetto traces land in ``lightning_logs/pipeline_traces``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, Dataset
 
-from lightning_pp import PipelineParallelStrategy
+from lightning_pp import PipelineMonitor, PipelineParallelStrategy
 
 WORDS = ["the", "quick", "brown", "fox", "jumps", "over", "lazy", "dog",
          "a", "pipeline", "keeps", "every", "device", "busy"]
@@ -124,6 +125,10 @@ def main() -> None:
         logger=TensorBoardLogger(args.log_dir, name="gpt_pipeline"),
         log_every_n_steps=10,
         enable_checkpointing=False,
+        # measured compute / communication / bubble per stage every 10 steps; timeline picture and Perfetto trace
+        # every 50 steps (also written to <log-dir>/pipeline_traces)
+        callbacks=[PipelineMonitor(logging_interval=10, timeline_every_n_steps=50,
+                                   trace_dir=f"{args.log_dir}/pipeline_traces")],
     )
     trainer.fit(model, DataLoader(dataset, batch_size=16, shuffle=True))
     if trainer.is_global_zero:

@@ -232,8 +232,9 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._p2p: StageP2P | None = None
         self._schedules: dict[tuple[int, bool], Schedule] = {}
         self._log_recorder = LogRecorder()
-        # set by PipelineMonitor: receives each timed step's events; None keeps the runtime's timing off
-        self.timing_sink: Callable[[list[TimelineEvent]], None] | None = None
+        # set by PipelineMonitor: receives a timed step's events and sample count; None keeps the timing off
+        self.timing_sink: Callable[[list[TimelineEvent], int], None] | None = None
+        self.last_schedule: Schedule | None = None
 
     # ------------------------------------------------------------------------------------------------ Lightning wiring
 
@@ -476,9 +477,10 @@ class PipelineParallelStrategy(ParallelStrategy):
             p.grad = None
         events: list[TimelineEvent] | None = [] if self.timing_sink is not None else None
         synchronize = torch.cuda.synchronize if self.root_device.type == "cuda" else None
+        self.last_schedule = self._schedule(len(microbatches), forward_only=False)
         with self.precision_plugin.train_step_context(), _stage_rng(self.stage):
             run_stage(
-                self._schedule(len(microbatches), forward_only=False).actions[self.stage],
+                self.last_schedule.actions[self.stage],
                 forward,
                 self._p2p if self.num_stages > 1 else None,
                 is_last=last,
@@ -496,7 +498,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         loss_value, records = self._from_last_stage((loss_value, records))
         replay(module, records)
         if events is not None and self.timing_sink is not None:
-            self.timing_sink(events)
+            self.timing_sink(events, total)
         return torch.tensor(loss_value, dtype=torch.get_default_dtype(), device=self.root_device)
 
     def _from_last_stage(self, payload: Any) -> Any:

@@ -144,3 +144,54 @@ def fit(model_name: str, strategy: Any = "auto", devices: int = 1, max_steps: in
     )  # fmt: skip
     trainer.fit(model, make_data(model_name, batch_size=batch_size))
     return model, logger
+
+
+class _Sleep(torch.autograd.Function):
+    """Identity whose forward and backward each sleep a fixed time: timings independent of the machine's load."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:
+        import time
+
+        ctx.backward_s = backward_s
+        time.sleep(forward_s)
+        return x.clone()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+        import time
+
+        time.sleep(ctx.backward_s)
+        return grad, None, None
+
+
+class SleepLayer(nn.Module):
+    def __init__(self, forward_s: float, backward_s: float) -> None:
+        super().__init__()
+        self.scale = nn.Parameter(torch.ones(()))
+        self.forward_s, self.backward_s = forward_s, backward_s
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(x * self.scale, self.forward_s, self.backward_s)
+
+
+class Sleepy(L.LightningModule):
+    """One sleeping layer per stage (30 ms forward and backward per micro-batch), nothing else of note."""
+
+    def __init__(self, layers: int = 4, forward_s: float = 0.03, backward_s: float = 0.03) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[SleepLayer(forward_s, backward_s) for _ in range(layers)])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.mse_loss(self.layers(x[:, :1]).squeeze(1), y.float())
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.01)
+
+
+MODELS["sleepy2"] = lambda: Sleepy(layers=2)
+# 4 processes share 2 cores: longer sleeps keep the (real, ~1 ms) transfer cost small next to compute
+MODELS["sleepy4"] = lambda: Sleepy(layers=4, forward_s=0.12, backward_s=0.12)

@@ -57,3 +57,26 @@ def hang_at_step(model: str, rank_to_hang: int, step: int, **strategy: Any) -> d
                 os._exit(3)
 
     return train(model, trainer={"callbacks": [Sleeper()]}, **strategy)
+
+
+def monitored(model: str, schedule: str, microbatches: int, log_dir: str | None, max_steps: int = 3,
+              timeline_every_n_steps: int = 2) -> dict[str, Any]:
+    """Train with a PipelineMonitor measuring every step; return its history (rank 0) and where logs went."""
+    from lightning.pytorch.loggers import TensorBoardLogger
+
+    from lightning_pp import PipelineMonitor
+    from models import MODELS, make_data
+
+    import lightning as L
+
+    L.seed_everything(0, verbose=False)
+    monitor = PipelineMonitor(logging_interval=1, timeline_every_n_steps=timeline_every_n_steps,
+                              trace_dir=f"{log_dir}/traces" if log_dir else None)
+    trainer = L.Trainer(
+        accelerator="cpu", devices=WORLD_SIZE, max_steps=max_steps, log_every_n_steps=1,
+        strategy=PipelineParallelStrategy(schedule=schedule, microbatches=microbatches, timeout=60),
+        logger=TensorBoardLogger(log_dir, name="tb") if log_dir else False, callbacks=[monitor],
+        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+    )
+    trainer.fit(MODELS[model](), make_data("mlp", batch_size=8))
+    return {"history": monitor.history}

@@ -1,0 +1,275 @@
+"""PipelineMonitor: where each stage's time goes (compute, communication, bubble), measured, next to the prediction."""
+
+from __future__ import annotations
+
+import io
+import json
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from typing_extensions import override
+
+from lightning_pp.errors import PipelineConfigError
+from lightning_pp.schedules import Action, Schedule
+from lightning_pp.simulate import (
+    BACKWARD,
+    COMM_TRANSFER,
+    COMM_WAIT,
+    COMPUTE_CATEGORIES,
+    FORWARD,
+    Timeline,
+    TimelineEvent,
+    simulate,
+)
+
+__all__ = ["PipelineMonitor", "draw_timelines", "to_chrome_trace"]
+
+_COLOURS = {FORWARD: "#4c72b0", BACKWARD: "#dd8452", COMM_WAIT: "#c8c8c8", COMM_TRANSFER: "#55a868"}
+_STAGE_KEYS = ("forward_ms", "backward_ms", "comm_wait_ms", "comm_transfer_ms", "idle_ms", "bubble_fraction")
+
+
+class PipelineMonitor(pl.Callback):
+    """Measure every action of the pipeline schedule and report where each stage's time went.
+
+    Every ``logging_interval`` optimizer steps, each stage times each action of its schedule (timing is off on the
+    other steps and costs nothing there), the timings are gathered on global rank 0 and logged through
+    ``trainer.logger``:
+
+    - ``pipeline/stage{s}/forward_ms``, ``backward_ms``: compute time of stage ``s`` in the step.
+    - ``pipeline/stage{s}/comm_wait_ms``: time blocked until the peer's message (its header) arrived.
+    - ``pipeline/stage{s}/comm_transfer_ms``: time moving tensors once the peer was there, and posting sends.
+    - ``pipeline/stage{s}/idle_ms``: the step's wall time minus compute minus communication (framework overhead).
+    - ``pipeline/stage{s}/bubble_fraction``: share of the step's wall time stage ``s`` did not compute.
+    - ``pipeline/bubble_fraction``: the same over all stages, the headline number.
+    - ``pipeline/predicted_bubble_fraction``: the simulator's bubble for this schedule, fed with the measured costs
+      of every action; ``pipeline/bubble_fraction_error`` is measured minus predicted.
+    - ``pipeline/step_ms`` (wall time of the pipelined step) and ``pipeline/samples_per_sec``.
+
+    Every ``timeline_every_n_steps`` steps it also logs the image ``pipeline/timeline`` (measured and predicted
+    timelines, stages x time; when the logger can take images) and, with ``trace_dir``, writes a Chrome-trace file
+    ``pipeline_step{N}.json`` (one track per stage; open it in ui.perfetto.dev) and ``pipeline_step{N}.png``.
+    Without a logger, a per-stage summary table is printed at the end of ``fit``.
+
+    Stage clocks are aligned once at the start of training after a barrier (offsets of a few tens of microseconds).
+
+    Args:
+        logging_interval: Measure and log every this many optimizer steps.
+        timeline_every_n_steps: Draw the timeline (and write the trace) every this many steps; must be a multiple
+            of ``logging_interval``. ``0`` turns pictures and traces off.
+        trace_dir: Folder for trace files and timeline pictures; ``None`` writes none.
+    """
+
+    def __init__(self, logging_interval: int = 10, timeline_every_n_steps: int = 100,
+                 trace_dir: str | Path | None = None) -> None:
+        if logging_interval < 1:
+            raise PipelineConfigError(f"logging_interval={logging_interval} must be at least 1 step.")
+        if timeline_every_n_steps < 0 or (timeline_every_n_steps and timeline_every_n_steps % logging_interval):
+            raise PipelineConfigError(
+                f"timeline_every_n_steps={timeline_every_n_steps} must be 0 or a multiple of "
+                f"logging_interval={logging_interval}; e.g. timeline_every_n_steps={10 * logging_interval}."
+            )
+        self.logging_interval = logging_interval
+        self.timeline_every_n_steps = timeline_every_n_steps
+        self.trace_dir = Path(trace_dir) if trace_dir is not None else None
+        self._clock_offsets: list[float] = [0.0]
+        self._events: list[TimelineEvent] | None = None
+        self._samples = 0
+        self.history: list[dict[str, float]] = []  # the metrics of every measured step (on global rank 0)
+
+    @staticmethod
+    def _strategy(trainer: pl.Trainer) -> Any:
+        from lightning_pp.strategy import PipelineParallelStrategy
+
+        if not isinstance(trainer.strategy, PipelineParallelStrategy):
+            raise PipelineConfigError(
+                f"PipelineMonitor needs Trainer(strategy=PipelineParallelStrategy(...)), got "
+                f"{type(trainer.strategy).__name__}."
+            )
+        return trainer.strategy
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._strategy(trainer)
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.barrier()
+            now = time.perf_counter()
+            clocks: list[Any] = [None] * dist.get_world_size()
+            dist.all_gather_object(clocks, now)
+            self._clock_offsets = [c - clocks[0] for c in clocks]
+
+    def _measuring(self, trainer: pl.Trainer) -> bool:
+        return trainer.global_step % self.logging_interval == 0
+
+    @override
+    def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        strategy = self._strategy(trainer)
+        strategy.timing_sink = self._receive if self._measuring(trainer) else None
+
+    def _receive(self, events: list[TimelineEvent], samples: int) -> None:
+        self._events = events
+        self._samples = samples
+
+    @override
+    def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
+                           batch_idx: int) -> None:
+        strategy = self._strategy(trainer)
+        strategy.timing_sink = None
+        if self._events is None:
+            return
+        events, self._events = self._events, None
+        step = trainer.global_step - 1  # the step that was just taken
+        rows = [(e.stage, str(e.action), e.category, e.start, e.end) for e in events]
+        gathered: list[Any] = [rows]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            gathered = [None] * dist.get_world_size() if trainer.is_global_zero else []
+            dist.gather_object(rows, gathered if trainer.is_global_zero else None, dst=0)
+        if not trainer.is_global_zero:
+            return
+        timeline = Timeline(strategy.num_stages)
+        for rank, rank_rows in enumerate(gathered):
+            offset = self._clock_offsets[rank] if rank < len(self._clock_offsets) else 0.0
+            timeline.events += [TimelineEvent(s, Action.parse(a), c, b - offset, e - offset)
+                                for s, a, c, b, e in rank_rows]
+        schedule = strategy.last_schedule
+        predicted = simulate(schedule, _measured_costs(timeline))
+        metrics = stage_metrics(timeline, predicted, self._samples)
+        self.history.append({"step": float(step), **metrics})
+        if trainer.loggers:
+            for logger in trainer.loggers:
+                logger.log_metrics(metrics, step=step)
+        if self.timeline_every_n_steps and step % self.timeline_every_n_steps == 0:
+            self._draw(trainer, timeline, predicted, schedule, step)
+
+    def _draw(self, trainer: pl.Trainer, measured: Timeline, predicted: Timeline, schedule: Schedule,
+              step: int) -> None:
+        figure = draw_timelines(measured, predicted, title=f"{schedule.name}, {schedule.num_stages} stages x "
+                                                           f"{schedule.num_microbatches} micro-batches, step {step}")
+        if self.trace_dir is not None:
+            self.trace_dir.mkdir(parents=True, exist_ok=True)
+            (self.trace_dir / f"pipeline_step{step}.json").write_text(json.dumps(to_chrome_trace(measured)))
+            figure.savefig(self.trace_dir / f"pipeline_step{step}.png", dpi=100)
+        for logger in trainer.loggers:
+            experiment = getattr(logger, "experiment", None)
+            if hasattr(experiment, "add_image"):
+                buffer = io.BytesIO()
+                figure.savefig(buffer, format="png", dpi=100)
+                import numpy as np
+                from PIL import Image
+
+                image = torch.from_numpy(np.array(Image.open(buffer).convert("RGB")))
+                experiment.add_image("pipeline/timeline", image, step, dataformats="HWC")
+        import matplotlib.pyplot as plt
+
+        plt.close(figure)
+
+    @override
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.is_global_zero and not trainer.loggers and self.history:
+            print(summary_table(self.history, self._strategy(trainer).num_stages))
+
+
+def _measured_costs(timeline: Timeline) -> Any:
+    """Per-action cost for the simulator: measured compute, and measured transfer time (waiting is not a cost)."""
+    costs: dict[Action, float] = {}
+    for event in timeline.events:
+        if event.category in COMPUTE_CATEGORIES or (event.category == COMM_TRANSFER and not event.action.is_compute):
+            costs[event.action] = costs.get(event.action, 0.0) + event.duration
+    return lambda action: costs.get(action, 0.0)
+
+
+def stage_metrics(measured: Timeline, predicted: Timeline, samples: int) -> dict[str, float]:
+    """The logged numbers of one measured step (see :class:`PipelineMonitor` for their meaning)."""
+    wall = measured.makespan
+    metrics: dict[str, float] = {}
+    for stage in range(measured.num_stages):
+        forward = measured.total(stage, [FORWARD])
+        backward = measured.total(stage, [BACKWARD])
+        wait = measured.total(stage, [COMM_WAIT])
+        transfer = measured.total(stage, [COMM_TRANSFER])
+        prefix = f"pipeline/stage{stage}/"
+        metrics[prefix + "forward_ms"] = 1e3 * forward
+        metrics[prefix + "backward_ms"] = 1e3 * backward
+        metrics[prefix + "comm_wait_ms"] = 1e3 * wait
+        metrics[prefix + "comm_transfer_ms"] = 1e3 * transfer
+        metrics[prefix + "idle_ms"] = 1e3 * max(0.0, wall - forward - backward - wait - transfer)
+        metrics[prefix + "bubble_fraction"] = measured.bubble_fraction(stage)
+    metrics["pipeline/bubble_fraction"] = measured.bubble_fraction()
+    metrics["pipeline/predicted_bubble_fraction"] = predicted.bubble_fraction()
+    metrics["pipeline/bubble_fraction_error"] = metrics["pipeline/bubble_fraction"] - predicted.bubble_fraction()
+    metrics["pipeline/step_ms"] = 1e3 * wall
+    metrics["pipeline/samples_per_sec"] = samples / wall if wall > 0 else 0.0
+    return metrics
+
+
+def summary_table(history: Sequence[dict[str, float]], num_stages: int) -> str:
+    """Per-stage means over the measured steps, as a text table."""
+
+    def mean(key: str) -> float:
+        return sum(h[key] for h in history) / len(history)
+
+    header = f"{'stage':>5} | {'forward ms':>10} | {'backward ms':>11} | {'comm wait ms':>12} | " \
+             f"{'transfer ms':>11} | {'idle ms':>8} | {'bubble':>6}"
+    lines = [f"PipelineMonitor: mean over {len(history)} measured steps", header, "-" * len(header)]
+    for stage in range(num_stages):
+        p = f"pipeline/stage{stage}/"
+        lines.append(f"{stage:>5} | {mean(p + 'forward_ms'):>10.2f} | {mean(p + 'backward_ms'):>11.2f} | "
+                     f"{mean(p + 'comm_wait_ms'):>12.2f} | {mean(p + 'comm_transfer_ms'):>11.2f} | "
+                     f"{mean(p + 'idle_ms'):>8.2f} | {mean(p + 'bubble_fraction'):>6.3f}")
+    lines.append(f"step {mean('pipeline/step_ms'):.2f} ms, {mean('pipeline/samples_per_sec'):.1f} samples/s, "
+                 f"bubble {mean('pipeline/bubble_fraction'):.3f} measured vs "
+                 f"{mean('pipeline/predicted_bubble_fraction'):.3f} predicted")
+    return "\n".join(lines)
+
+
+def to_chrome_trace(timeline: Timeline) -> dict[str, Any]:
+    """Chrome-trace / Perfetto JSON: one track (thread) per stage, one complete event per action interval."""
+    start = timeline.start
+    events: list[dict[str, Any]] = [
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": stage, "args": {"name": f"stage {stage}"}}
+        for stage in range(timeline.num_stages)
+    ]
+    for event in timeline.events:
+        events.append({
+            "name": f"{event.action.type.value}{event.action.microbatch}", "cat": event.category, "ph": "X",
+            "pid": 0, "tid": event.stage, "ts": 1e6 * (event.start - start), "dur": 1e6 * event.duration,
+            "args": {"action": str(event.action), "microbatch": event.action.microbatch},
+        })
+    return {"traceEvents": events, "displayTimeUnit": "ms"}
+
+
+def draw_timelines(measured: Timeline, predicted: Timeline | None = None, title: str = "") -> Any:
+    """Stages x time, forward / backward / waiting / transfer in distinct colours, micro-batch numbers on bars."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from matplotlib.patches import Patch
+
+    panels = [("measured", measured)] + ([("predicted from measured costs", predicted)] if predicted else [])
+    figure, axes = plt.subplots(len(panels), 1, figsize=(12, 1.2 + 0.7 * measured.num_stages * len(panels)),
+                                squeeze=False)
+    for axis, (label, timeline) in zip(axes[:, 0], panels, strict=True):
+        scale = 1e3  # seconds -> ms; the prediction uses measured costs, so it is in seconds too
+        for event in timeline.events:
+            left, width = scale * (event.start - timeline.start), scale * event.duration
+            axis.broken_barh([(left, width)], (event.stage - 0.4, 0.8), facecolors=_COLOURS[event.category])
+            if event.category in COMPUTE_CATEGORIES and width > 0.02 * scale * timeline.makespan / 4:
+                axis.text(left + width / 2, event.stage, str(event.action.microbatch), ha="center", va="center",
+                          fontsize=7, color="white")
+        axis.set_yticks(range(timeline.num_stages), [f"stage {s}" for s in range(timeline.num_stages)])
+        axis.invert_yaxis()
+        axis.set_xlim(0, scale * timeline.makespan)
+        axis.set_title(f"{label}: bubble {timeline.bubble_fraction():.3f}", fontsize=9, loc="left")
+        axis.set_xlabel("ms", fontsize=8)
+    legend = [Patch(color=c, label=k.replace("_", " ")) for k, c in _COLOURS.items()]
+    figure.legend(handles=legend, loc="upper right", ncol=4, fontsize=8)
+    if title:
+        figure.suptitle(title, fontsize=10, x=0.01, ha="left")
+    figure.tight_layout(rect=(0, 0, 1, 0.93))
+    return figure

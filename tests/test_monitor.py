@@ -1,0 +1,75 @@
+"""PipelineMonitor: measured bubble vs theory on sleep-timed layers, TensorBoard tags and image, trace, table."""
+
+from __future__ import annotations
+
+import json
+import statistics
+from pathlib import Path
+
+import pytest
+from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+from _launch import launch
+from lightning_pp import PipelineConfigError, PipelineMonitor
+
+STAGE_KEYS = ["forward_ms", "backward_ms", "comm_wait_ms", "comm_transfer_ms", "idle_ms", "bubble_fraction"]
+PIPELINE_KEYS = ["bubble_fraction", "predicted_bubble_fraction", "bubble_fraction_error", "step_ms",
+                 "samples_per_sec"]
+
+
+@pytest.mark.parametrize(("world_size", "microbatches"), [(2, 4), (4, 8)])
+def test_measured_bubble_matches_theory_and_logs(world_size: int, microbatches: int, tmp_path: Path) -> None:
+    """Bubble runs draw no pictures (rank 0 rendering a PNG would delay the next step); a third run draws them."""
+    schedules = ["gpipe", "1f1b"]
+    runs = [{"scenario": "monitored", "kwargs": {"model": f"sleepy{world_size}", "schedule": s,
+                                                  "microbatches": microbatches, "log_dir": str(tmp_path / s),
+                                                  "timeline_every_n_steps": 0}}
+            for s in schedules]
+    runs.append({"scenario": "monitored", "kwargs": {"model": f"sleepy{world_size}", "schedule": "1f1b",
+                                                      "microbatches": microbatches, "log_dir": str(tmp_path / "pics"),
+                                                      "max_steps": 3, "timeline_every_n_steps": 2}})
+    ranks = launch(world_size, runs, timeout=300)
+    theory = (world_size - 1) / (microbatches + world_size - 1)
+    for index, schedule in enumerate(schedules):
+        assert not ranks[0].errors, ranks[0].errors
+        history = ranks[0].results[index]["history"]
+        assert [h["step"] for h in history] == [0, 1, 2]
+        measured = statistics.median(h["pipeline/bubble_fraction"] for h in history)
+        predicted = statistics.median(h["pipeline/predicted_bubble_fraction"] for h in history)
+        assert measured == pytest.approx(theory, abs=0.03), (schedule, measured, theory)
+        assert predicted == pytest.approx(measured, abs=0.03), (schedule, predicted, measured)
+
+        events = next((tmp_path / schedule / "tb").rglob("events.out.tfevents.*"))
+        accumulator = EventAccumulator(str(events), size_guidance={"images": 0, "scalars": 0})
+        accumulator.Reload()
+        tags = set(accumulator.Tags()["scalars"])
+        expected = {f"pipeline/{k}" for k in PIPELINE_KEYS}
+        expected |= {f"pipeline/stage{s}/{k}" for s in range(world_size) for k in STAGE_KEYS}
+        assert expected <= tags, expected - tags
+
+    events = next((tmp_path / "pics" / "tb").rglob("events.out.tfevents.*"))
+    accumulator = EventAccumulator(str(events), size_guidance={"images": 0})
+    accumulator.Reload()
+    assert accumulator.Tags()["images"] == ["pipeline/timeline"]
+    assert len(accumulator.Images("pipeline/timeline")) == 2  # steps 0 and 2
+    trace = json.loads((tmp_path / "pics" / "traces" / "pipeline_step0.json").read_text())
+    tracks = {e["tid"] for e in trace["traceEvents"] if e["ph"] == "X"}
+    names = {e["args"]["name"] for e in trace["traceEvents"] if e["ph"] == "M"}
+    assert tracks == set(range(world_size))
+    assert names == {f"stage {s}" for s in range(world_size)}
+    assert (tmp_path / "pics" / "traces" / "pipeline_step2.png").exists()
+
+
+def test_summary_table_without_logger() -> None:
+    ranks = launch(2, [{"scenario": "monitored", "kwargs": {"model": "sleepy2", "schedule": "1f1b",
+                                                             "microbatches": 2, "log_dir": None}}], timeout=200)
+    assert "PipelineMonitor: mean over 3 measured steps" in ranks[0].output
+    assert "bubble" in ranks[0].output and "comm wait ms" in ranks[0].output
+    assert "PipelineMonitor: mean over" not in ranks[1].output
+
+
+def test_monitor_arguments_are_checked() -> None:
+    with pytest.raises(PipelineConfigError, match="multiple of logging_interval=10"):
+        PipelineMonitor(logging_interval=10, timeline_every_n_steps=15)
+    with pytest.raises(PipelineConfigError, match="logging_interval=0 must be at least 1"):
+        PipelineMonitor(logging_interval=0)
