@@ -62,12 +62,11 @@ def hang_at_step(model: str, rank_to_hang: int, step: int, **strategy: Any) -> d
 def monitored(model: str, schedule: str, microbatches: int, log_dir: str | None, max_steps: int = 3,
               timeline_every_n_steps: int = 2) -> dict[str, Any]:
     """Train with a PipelineMonitor measuring every step; return its history (rank 0) and where logs went."""
+    import lightning as L
     from lightning.pytorch.loggers import TensorBoardLogger
-
-    from lightning_pp import PipelineMonitor
     from models import MODELS, make_data
 
-    import lightning as L
+    from lightning_pp import PipelineMonitor
 
     L.seed_everything(0, verbose=False)
     monitor = PipelineMonitor(logging_interval=1, timeline_every_n_steps=timeline_every_n_steps,

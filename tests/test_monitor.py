@@ -7,9 +7,9 @@ import statistics
 from pathlib import Path
 
 import pytest
+from _launch import launch
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
-from _launch import launch
 from lightning_pp import PipelineConfigError, PipelineMonitor
 
 STAGE_KEYS = ["forward_ms", "backward_ms", "comm_wait_ms", "comm_transfer_ms", "idle_ms", "bubble_fraction"]
