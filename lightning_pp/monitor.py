@@ -155,15 +155,15 @@ class PipelineMonitor(pl.Callback):
             (self.trace_dir / f"pipeline_step{step}.json").write_text(json.dumps(to_chrome_trace(measured)))
             figure.savefig(self.trace_dir / f"pipeline_step{step}.png", dpi=100)
         for logger in trainer.loggers:
-            experiment = getattr(logger, "experiment", None)
-            if hasattr(experiment, "add_image"):
+            add_image = getattr(getattr(logger, "experiment", None), "add_image", None)
+            if callable(add_image):
                 buffer = io.BytesIO()
                 figure.savefig(buffer, format="png", dpi=100)
                 import numpy as np
                 from PIL import Image
 
                 image = torch.from_numpy(np.array(Image.open(buffer).convert("RGB")))
-                experiment.add_image("pipeline/timeline", image, step, dataformats="HWC")
+                add_image("pipeline/timeline", image, step, dataformats="HWC")
         import matplotlib.pyplot as plt
 
         plt.close(figure)
