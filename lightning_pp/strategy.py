@@ -85,6 +85,15 @@ class _StageSequential(nn.Sequential):
 
     @override
     def forward(self, input: Any) -> Any:
+        if not self.in_user_step:
+            if self.num_stages == 1:
+                return self.run_layers(input)
+            raise PipelineConfigError(
+                f"`self.{self.attribute}` holds only the layers {list(self._modules)} of pipeline stage {self.stage}; "
+                f"it can only be called inside a pipelined training_step. Validation, test and predict steps and "
+                f"calls from other hooks are not supported by PipelineParallelStrategy yet: run them with a "
+                f"single-device Trainer on a checkpoint, or set limit_val_batches=0."
+            )
         self.calls += 1
         if self.calls > 1:
             raise PipelineConfigError(
@@ -95,13 +104,7 @@ class _StageSequential(nn.Sequential):
             return self.run_layers(input)
         if self.stage == 0:
             raise _SequentialOutput(self.run_layers(input))
-        if self.stage == self.num_stages - 1 and self.received is not None:
-            return self.run_layers(self.received)
-        raise PipelineConfigError(
-            f"`self.{self.attribute}` holds only the layers {list(self._modules)} of pipeline stage {self.stage}; it "
-            f"can only be called inside a pipelined training_step. Validation, test and predict steps and calls from "
-            f"other hooks are not supported by PipelineParallelStrategy yet."
-        )
+        return self.run_layers(self.received)  # the last stage: layers applied to the received activation
 
 
 @contextmanager

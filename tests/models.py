@@ -115,6 +115,15 @@ class NoSequentialCall(MLPClassifier):
         return nn.functional.cross_entropy(self.head(hidden), y)
 
 
+class WithValidation(MLPClassifier):
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y))
+
+    def val_dataloader(self) -> DataLoader:
+        return make_data("mlp")
+
+
 def make_data(model_name: str, batch_size: int = 8, batches: int = 4) -> DataLoader:
     generator = torch.Generator().manual_seed(1234)
     n = batch_size * batches
@@ -127,7 +136,7 @@ def make_data(model_name: str, batch_size: int = 8, batches: int = 4) -> DataLoa
 
 MODELS: dict[str, type[L.LightningModule]] = {
     "mlp": MLPClassifier, "tied": TiedLM, "two_sequentials": TwoSequentials, "too_few_layers": TooFewLayers,
-    "manual": ManualOptimization, "no_sequential_call": NoSequentialCall,
+    "manual": ManualOptimization, "no_sequential_call": NoSequentialCall, "with_validation": WithValidation,
 }
 
 
