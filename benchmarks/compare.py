@@ -52,7 +52,7 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
@@ -388,7 +388,7 @@ def launch(kind: str, runs: list[dict[str, Any]], world: int, timeout: float, tm
 def fmt_s(stats: dict[str, float] | None) -> str:
     if stats is None:
         return "failed"
-    return f"{stats['median']:.4f} ({stats['min']:.4f}–{stats['max']:.4f})"
+    return f"{stats['median']:.4f} ({stats['min']:.4f}-{stats['max']:.4f})"
 
 
 def fmt_mib(values: list[int | None]) -> str:
@@ -406,7 +406,7 @@ def build_rows(args: argparse.Namespace, single: list[list[dict[str, Any]]], tor
         return per_rank[rank][index] if rank < len(per_rank) and index < len(per_rank[rank]) else None
 
     t_single: dict[int, float] = {}
-    for i, hidden in enumerate(args.hidden):
+    for i, hidden in enumerate(args.hidden if single else []):
         res = get(single, 0, i)
         stats = summarize(res["times"], args.warmup) if res else None
         if stats:
@@ -424,6 +424,8 @@ def build_rows(args: argparse.Namespace, single: list[list[dict[str, Any]]], tor
             runner_stats[name] = summarize(res0["times"], args.warmup) if res0 and res0["times"] else None
         torch_median = runner_stats["torch.distributed.pipelining"]
         for name, per_rank in (("torch.distributed.pipelining", torch_res), ("lightning_pp", light)):
+            if not per_rank:  # runner not selected with --runners
+                continue
             stats = runner_stats[name]
             res0 = get(per_rank, 0, i)
             ts = t_single.get(hidden)
@@ -447,7 +449,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         return "n/a" if value is None else format(value, fmt)
 
     lines = [
-        "| config (model, schedule, stages, micro-batches) | runner | median step s (min–max) | ratio to torch "
+        "| config (model, schedule, stages, micro-batches) | runner | median step s (min-max) | ratio to torch "
         "| efficiency | measured bubble | peak saved activations / stage | overhead / micro-batch ms |",
         "|---|---|---|---|---|---|---|---|",
     ]
@@ -469,6 +471,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per run (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the statistics (default 3)")
     parser.add_argument("--monitor-steps", type=int, default=8, help="steps of the PipelineMonitor run (default 8)")
+    parser.add_argument("--runners", nargs="+", default=["single", "torch", "lightning"],
+                        choices=["single", "torch", "lightning"], help="which runners to measure (default all)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="repeat every measurement (timed steps are pooled; default 1)")
     parser.add_argument("--quick", action="store_true", help="10 steps, 2 warm-up, 5 monitor steps")
@@ -511,6 +515,10 @@ def main(argv: list[str] | None = None) -> None:
         worker_main(args.worker, args.spec, str(args.out))
         return
     started = time.perf_counter()
+    load_before = os.getloadavg()[0]
+    if load_before > 0.5:
+        print(f"warning: 1-minute load average is {load_before:.2f} before starting; other processes compete for the "
+              f"{os.cpu_count()} cores and will inflate the times", file=sys.stderr)
     configs = [(h, s) for h in args.hidden for s in args.schedules]
     common = {"steps": args.steps, "warmup": args.warmup, "monitor_steps": args.monitor_steps}
     single_runs = [{"hidden": h, **common} for h in args.hidden]
@@ -521,6 +529,8 @@ def main(argv: list[str] | None = None) -> None:
         for repeat in range(args.repeats):
             for kind, runs, world in (("single", single_runs, 1), ("torch", pipe_runs, NUM_STAGES),
                                       ("lightning", pipe_runs, NUM_STAGES)):
+                if kind not in args.runners:
+                    continue
                 t0 = time.perf_counter()
                 print(f"[{repeat + 1}/{args.repeats}] {kind}: {len(runs)} run(s) ...", file=sys.stderr, flush=True)
                 for old in tmp.glob(f"{kind}_rank*.json"):
@@ -535,18 +545,20 @@ def main(argv: list[str] | None = None) -> None:
                                 res["bubble_fractions"] = res["bubble_fractions"][args.warmup:]
                 collected[kind].append(per_rank)
                 print(f"    done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    rows = build_rows(args, pool(collected["single"]), pool(collected["torch"]), pool(collected["lightning"]),
-                      configs)
+    pooled = {kind: pool(reps) if reps else [] for kind, reps in collected.items()}
+    rows = build_rows(args, pooled["single"], pooled["torch"], pooled["lightning"], configs)
     table = markdown(rows)
     elapsed = time.perf_counter() - started
     print(table)
     print(f"\ntotal runtime: {elapsed:.1f} s  (steps={args.steps}, warm-up={args.warmup}, "
-          f"monitor steps={args.monitor_steps}, repeats={args.repeats}; threads per process: 1)")
+          f"monitor steps={args.monitor_steps}, repeats={args.repeats}; threads per process: 1; "
+          f"1-min load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after)")
     args.out.mkdir(parents=True, exist_ok=True)
     (args.out / "compare.md").write_text(table + "\n")
     meta = {"steps": args.steps, "warmup": args.warmup, "monitor_steps": args.monitor_steps,
             "repeats": args.repeats, "batch": BATCH, "layers": NUM_LAYERS, "stages": NUM_STAGES,
-            "microbatches": MICROBATCHES, "runtime_s": elapsed}
+            "microbatches": MICROBATCHES, "runtime_s": elapsed, "cpu_count": os.cpu_count(),
+            "loadavg_1min_before": load_before, "loadavg_1min_after": os.getloadavg()[0]}
     (args.out / "compare.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 
 

@@ -201,6 +201,6 @@ class Sleepy(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.01)
 
 
-MODELS["sleepy2"] = lambda: Sleepy(layers=2)
+MODELS["sleepy2"] = lambda: Sleepy(layers=2, forward_s=0.06, backward_s=0.06)
 # 4 processes share 2 cores: longer sleeps keep the (real, ~1 ms) transfer cost small next to compute
 MODELS["sleepy4"] = lambda: Sleepy(layers=4, forward_s=0.12, backward_s=0.12)
