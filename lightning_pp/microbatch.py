@@ -9,7 +9,7 @@ import torch
 
 from lightning_pp.errors import PipelineConfigError
 
-__all__ = ["split_batch"]
+__all__ = ["merge_microbatches", "split_batch"]
 
 
 def _batch_sizes(batch: Any) -> set[int]:
@@ -56,3 +56,31 @@ def split_batch(batch: Any, num_microbatches: int) -> tuple[list[Any], list[int]
     base, extra = divmod(size, num_microbatches)
     micro_sizes = [base + (1 if i < extra else 0) for i in range(num_microbatches)]
     return [_take(batch, num_microbatches, i) for i in range(num_microbatches)], micro_sizes
+
+
+def merge_microbatches(outputs: list[Any], sizes: list[int]) -> Any:
+    """Combine per-micro-batch step outputs into what one step over the whole batch returns.
+
+    Tensors whose first dimension is the micro-batch size are concatenated; scalar tensors are averaged weighted by
+    micro-batch size (a batch mean); dicts, lists and tuples are merged element-wise; anything else is taken from the
+    first micro-batch.
+    """
+    first = outputs[0]
+    if first is None:
+        return None
+    if isinstance(first, torch.Tensor):
+        if first.dim() > 0 and all(o.shape[0] == n for o, n in zip(outputs, sizes, strict=True)):
+            return torch.cat(outputs)
+        if first.dim() == 0:
+            weights = torch.tensor(sizes, dtype=torch.float64, device=first.device)
+            stacked = torch.stack([o.double() for o in outputs])
+            return ((stacked * weights).sum() / weights.sum()).to(first.dtype if first.is_floating_point()
+                                                                  else torch.get_default_dtype())
+        return first
+    if isinstance(first, Mapping):
+        return type(first)({k: merge_microbatches([o[k] for o in outputs], sizes) for k in first})  # type: ignore[call-arg]
+    if isinstance(first, tuple) and hasattr(first, "_fields"):
+        return type(first)(*(merge_microbatches(list(items), sizes) for items in zip(*outputs, strict=True)))
+    if isinstance(first, (list, tuple)):
+        return type(first)(merge_microbatches(list(items), sizes) for items in zip(*outputs, strict=True))
+    return first

@@ -13,6 +13,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.utilities import move_data_to_device
 from lightning.fabric.utilities.distributed import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
@@ -27,7 +28,7 @@ from typing_extensions import override
 from lightning_pp import _compat
 from lightning_pp._logs import LogRecord, LogRecorder, replay
 from lightning_pp.errors import PipelineConfigError
-from lightning_pp.microbatch import split_batch
+from lightning_pp.microbatch import merge_microbatches, split_batch
 from lightning_pp.p2p import StageP2P
 from lightning_pp.partition import stage_layer_ranges, uniform_balance, validate_balance
 from lightning_pp.runtime import run_stage
@@ -37,6 +38,9 @@ from lightning_pp.simulate import TimelineEvent
 __all__ = ["PipelineParallelStrategy"]
 
 log = logging.getLogger(__name__)
+
+
+_NOTHING = torch.empty(0)  # what an evaluation forward on the last stage hands the runtime (nothing to send)
 
 
 class _SequentialOutput(BaseException):
@@ -90,9 +94,8 @@ class _StageSequential(nn.Sequential):
                 return self.run_layers(input)
             raise PipelineConfigError(
                 f"`self.{self.attribute}` holds only the layers {list(self._modules)} of pipeline stage {self.stage}; "
-                f"it can only be called inside a pipelined training_step. Validation, test and predict steps and "
-                f"calls from other hooks are not supported by PipelineParallelStrategy yet: run them with a "
-                f"single-device Trainer on a checkpoint, or set limit_val_batches=0."
+                f"it can only be called inside a pipelined training, validation, test or predict step, not from "
+                f"other hooks (such as on_validation_epoch_end). Compute what you need inside the step and log it."
             )
         self.calls += 1
         if self.calls > 1:
@@ -428,40 +431,66 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with self.precision_plugin.train_step_context():
+            return self._pipelined_step("training_step", args, kwargs)
+
+    @override
+    def validation_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with self.precision_plugin.val_step_context():
+            return self._pipelined_step("validation_step", args, kwargs)
+
+    @override
+    def test_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
+        with self.precision_plugin.test_step_context():
+            return self._pipelined_step("test_step", args, kwargs)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        with self.precision_plugin.predict_step_context():
+            return self._pipelined_step("predict_step", args, kwargs)
+
+    def _pipelined_step(self, step_name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """Run the user's ``step_name`` over micro-batches through the schedule; return what it returns on one device.
+
+        Training runs the full schedule and returns the loss; evaluation runs the forward-only schedule (nothing kept
+        for backward) and returns the step's outputs merged over micro-batches. Either way the last stage's results
+        and ``self.log`` calls are sent to every stage, so every rank returns and logs the same values.
+        """
         module = self.lightning_module
         stage_module = self._stage_module
-        assert module is not None and stage_module is not None and self.model is not None
-        trainer = module.trainer
+        assert module is not None and stage_module is not None
+        training = step_name == "training_step"
+        user_step = getattr(module, step_name)
         batch, rest = args[0], args[1:]
         microbatches, sizes = split_batch(batch, self.microbatches)
         total = sum(sizes)
-        weights = [size / total / trainer.accumulate_grad_batches for size in sizes]
+        accumulation = module.trainer.accumulate_grad_batches if training else 1
+        weights = [size / total / accumulation for size in sizes]
         first, last = self.stage == 0, self.stage == self.num_stages - 1
-        losses: dict[int, float] = {}
+        outputs: dict[int, Any] = {}  # the last stage's step outputs (training: loss values)
 
-        def run_user_step(mb: int, received: Tensor | None) -> Any:
+        def forward(mb: int, received: Tensor | None) -> Tensor:
+            if not first and not last:
+                return stage_module.run_layers(received)
             stage_module.calls = 0
             stage_module.received = received
             stage_module.in_user_step = True
             try:
                 with self._log_recorder.recording(module, mb if last else None):
-                    return module.training_step(microbatches[mb], *rest, **kwargs)
+                    output = user_step(microbatches[mb], *rest, **kwargs)
+            except _SequentialOutput as stop:
+                return stop.output
             finally:
                 stage_module.received = None
                 stage_module.in_user_step = False
-
-        def forward(mb: int, received: Tensor | None) -> Tensor:
-            if not first and not last:
-                return stage_module.run_layers(received)
-            try:
-                output = run_user_step(mb, received)
-            except _SequentialOutput as stop:
-                return stop.output
             if stage_module.calls == 0:
                 raise PipelineConfigError(
-                    f"training_step returned without calling `self.{stage_module.attribute}`. A pipelined step must "
+                    f"{step_name} returned without calling `self.{stage_module.attribute}`. A pipelined step must "
                     f"call the partitioned sequential once (call it, do not iterate over its layers)."
                 )
+            if not training:
+                outputs[mb] = output
+                return _NOTHING
             loss = output.get("loss") if isinstance(output, Mapping) else output
             if not isinstance(loss, Tensor):
                 raise PipelineConfigError(
@@ -469,40 +498,51 @@ class PipelineParallelStrategy(ParallelStrategy):
                     f"the loss tensor or a dict with a 'loss' tensor (skipping a step by returning None is not "
                     f"supported)."
                 )
-            losses[mb] = float(loss.detach())
+            outputs[mb] = float(loss.detach())
             return loss * weights[mb]
 
-        # Lightning zeroes gradients between training_step and backward; keep this step's gradients aside and hand
-        # them over in `backward`, leaving earlier (accumulated) gradients for Lightning to manage
-        params = [p for p in module.parameters() if p.requires_grad]
-        previous = [p.grad for p in params]
-        for p in params:
-            p.grad = None
-        events: list[TimelineEvent] | None = [] if self.timing_sink is not None else None
-        synchronize = torch.cuda.synchronize if self.root_device.type == "cuda" else None
-        self.last_schedule = self._schedule(len(microbatches), forward_only=False)
-        with self.precision_plugin.train_step_context(), _stage_rng(self.stage):
+        schedule = self._schedule(len(microbatches), forward_only=not training)
+        events: list[TimelineEvent] | None = [] if training and self.timing_sink is not None else None
+        if training:
+            # Lightning zeroes gradients between training_step and backward: keep this step's gradients aside and
+            # hand them over in `backward`, leaving earlier (accumulated) gradients for Lightning to manage
+            params = [p for p in module.parameters() if p.requires_grad]
+            previous = [p.grad for p in params]
+            for p in params:
+                p.grad = None
+            self.last_schedule = schedule
+        with _stage_rng(self.stage):
             run_stage(
-                self.last_schedule.actions[self.stage],
+                schedule.actions[self.stage],
                 forward,
                 self._p2p if self.num_stages > 1 else None,
                 is_last=last,
-                training=True,
+                training=training,
                 events=events,
-                synchronize=synchronize,
+                synchronize=torch.cuda.synchronize if self.root_device.type == "cuda" else None,
             )
-        self._sum_replicated_grads()
-        self._pending_grads = [p.grad for p in params]
-        for p, grad in zip(params, previous, strict=True):
-            p.grad = grad
+        if training:
+            self._sum_replicated_grads()
+            self._pending_grads = [p.grad for p in params]
+            for p, grad in zip(params, previous, strict=True):
+                p.grad = grad
 
-        records: list[LogRecord] = self._log_recorder.combine(sizes) if last else []
-        loss_value = sum(losses[mb] * sizes[mb] for mb in losses) / total if last else 0.0
-        loss_value, records = self._from_last_stage((loss_value, records))
+        result: Any = None
+        records: list[LogRecord] = []
+        if last:
+            records = self._log_recorder.combine(sizes)
+            if training:
+                result = sum(outputs[mb] * sizes[mb] for mb in outputs) / total
+            else:
+                result = move_data_to_device(merge_microbatches([outputs[mb] for mb in sorted(outputs)], sizes),
+                                             torch.device("cpu"))
+        result, records = self._from_last_stage((result, records))
         replay(module, records)
         if events is not None and self.timing_sink is not None:
             self.timing_sink(events, total)
-        return torch.tensor(loss_value, dtype=torch.get_default_dtype(), device=self.root_device)
+        if training:
+            return torch.tensor(result, dtype=torch.get_default_dtype(), device=self.root_device)
+        return move_data_to_device(result, self.root_device)
 
     def _from_last_stage(self, payload: Any) -> Any:
         if self.num_stages == 1:

@@ -124,8 +124,58 @@ class WithValidation(MLPClassifier):
         return make_data("mlp")
 
 
-def make_data(model_name: str, batch_size: int = 8, batches: int = 4) -> DataLoader:
-    generator = torch.Generator().manual_seed(1234)
+class Lifecycle(MLPClassifier):
+    """Validation, test and predict steps, torchmetrics objects, epoch-level and max-reduced logging."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torchmetrics.classification import MulticlassAccuracy
+
+        self.train_acc = MulticlassAccuracy(num_classes=5, average="micro")
+        self.val_acc = MulticlassAccuracy(num_classes=5, average="micro")
+        self.test_acc = MulticlassAccuracy(num_classes=5, average="micro")
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        loss = nn.functional.cross_entropy(logits, y)
+        self.train_acc(logits, y)
+        self.log("train_loss", loss, prog_bar=True)
+        self.log("train_acc", self.train_acc, on_step=True, on_epoch=True)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self(x)
+        loss = nn.functional.cross_entropy(logits, y)
+        self.val_acc.update(logits, y)
+        self.log_dict({"val_loss": loss, "val_loss_copy": loss.clone()}, prog_bar=True)
+        self.log("val_acc", self.val_acc)
+        self.log("val_top", logits.max(), reduce_fx="max")
+        return loss
+
+    def test_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.test_acc.update(logits, y)
+        self.log("test_loss", nn.functional.cross_entropy(logits, y))
+        self.log("test_acc", self.test_acc)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        return {"probs": self(batch[0]).softmax(-1), "label": batch[1]}
+
+    def val_dataloader(self) -> DataLoader:
+        return make_data("mlp", batches=3, seed=99)
+
+    def test_dataloader(self) -> DataLoader:
+        return make_data("mlp", batch_size=6, batches=3, seed=98)
+
+    def predict_dataloader(self) -> DataLoader:
+        return make_data("mlp", batch_size=5, batches=2, seed=97)
+
+
+def make_data(model_name: str, batch_size: int = 8, batches: int = 4, seed: int = 1234) -> DataLoader:
+    generator = torch.Generator().manual_seed(seed)
     n = batch_size * batches
     if model_name != "tied":
         dataset = TensorDataset(torch.randn(n, 10, generator=generator), torch.randint(0, 5, (n,), generator=generator))
@@ -137,6 +187,7 @@ def make_data(model_name: str, batch_size: int = 8, batches: int = 4) -> DataLoa
 MODELS: dict[str, type[L.LightningModule]] = {
     "mlp": MLPClassifier, "tied": TiedLM, "two_sequentials": TwoSequentials, "too_few_layers": TooFewLayers,
     "manual": ManualOptimization, "no_sequential_call": NoSequentialCall, "with_validation": WithValidation,
+    "lifecycle": Lifecycle,
 }
 
 
@@ -148,8 +199,8 @@ def fit(model_name: str, strategy: Any = "auto", devices: int = 1, max_steps: in
     logger = RecordingLogger()
     trainer = L.Trainer(
         accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps, logger=logger,
-        log_every_n_steps=1, enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-        num_sanity_val_steps=0, **trainer_kwargs,
+        **{"log_every_n_steps": 1, "enable_checkpointing": False, "enable_progress_bar": False,
+           "enable_model_summary": False, "num_sanity_val_steps": 0, **trainer_kwargs},
     )  # fmt: skip
     trainer.fit(model, make_data(model_name, batch_size=batch_size))
     return model, logger
@@ -204,3 +255,15 @@ class Sleepy(L.LightningModule):
 MODELS["sleepy2"] = lambda: Sleepy(layers=2, forward_s=0.06, backward_s=0.06)
 # 4 processes share 2 cores: longer sleeps keep the (real, ~1 ms) transfer cost small next to compute
 MODELS["sleepy4"] = lambda: Sleepy(layers=4, forward_s=0.12, backward_s=0.12)
+
+
+def lifecycle(strategy: Any = "auto", devices: int = 1, **trainer_kwargs: Any) -> dict[str, Any]:
+    """fit (2 epochs with validation) then validate, test and predict; everything a test compares."""
+    module, logger = fit("lifecycle", strategy, devices=devices, max_steps=-1, max_epochs=2, **trainer_kwargs)
+    trainer = module.trainer
+    callback_metrics = {k: float(v) for k, v in trainer.callback_metrics.items()}
+    validated = trainer.validate(module, verbose=False)
+    tested = trainer.test(module, verbose=False)
+    predicted = trainer.predict(module)
+    return {"state": {k: v.detach().clone() for k, v in module.state_dict().items()}, "history": logger.history,
+            "callback_metrics": callback_metrics, "validate": validated, "test": tested, "predict": predicted}

@@ -79,3 +79,10 @@ def monitored(model: str, schedule: str, microbatches: int, log_dir: str | None,
     )
     trainer.fit(MODELS[model](), make_data("mlp", batch_size=8))
     return {"history": monitor.history}
+
+
+def lifecycle(timeout: float = 60, **strategy: Any) -> dict[str, Any]:
+    import models
+
+    return models.lifecycle(PipelineParallelStrategy(timeout=timeout, **strategy), devices=WORLD_SIZE,
+                            num_sanity_val_steps=2)
