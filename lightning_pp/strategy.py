@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import logging
+import os
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -15,6 +16,7 @@ import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.utilities import move_data_to_device
 from lightning.fabric.utilities.distributed import ReduceOp
+from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -27,6 +29,7 @@ from typing_extensions import override
 
 from lightning_pp import _compat
 from lightning_pp._logs import LogRecord, LogRecorder, replay
+from lightning_pp.checkpoint import NAMES_KEY, indexed_to_named, load_named, merge_named, named_state, named_to_indexed
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.microbatch import merge_microbatches, split_batch
 from lightning_pp.p2p import StageP2P
@@ -59,11 +62,15 @@ class _StageSequential(nn.Sequential):
     activation received from the previous stage, so the user's loss code runs unchanged.
     """
 
-    def __init__(self, layers: OrderedDict[str, nn.Module], stage: int, num_stages: int, attribute: str) -> None:
+    def __init__(self, layers: OrderedDict[str, nn.Module], stage: int, num_stages: int, attribute: str,
+                 full_param_order: dict[str, int], full_state_keys: list[str]) -> None:
         super().__init__(layers)
         self.stage = stage
         self.num_stages = num_stages
         self.attribute = attribute
+        # the unpartitioned model's layout, which full checkpoints follow
+        self.full_param_order = full_param_order
+        self.full_state_keys = full_state_keys
         self.received: Tensor | None = None
         self.calls = 0
         self.in_user_step = False  # set by the strategy while the user's step runs on this stage
@@ -174,6 +181,9 @@ class PipelineParallelStrategy(ParallelStrategy):
         balance: Layers per stage, summing to the sequential's length; by default an even split.
         timeout: Seconds a stage waits for a peer's transfer (and for collectives) before raising
             :class:`~lightning_pp.PipelineTimeoutError` naming the stage, the action and the peer.
+        checkpoint_format: ``"full"`` gathers the whole model and optimizer on global rank 0 into one file that
+            plain single-device Lightning loads; ``"sharded"`` writes a folder with one file per stage (nothing is
+            gathered). Both resume on any number of stages, as do single-device checkpoints.
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default chosen from the device.
 
     Raises:
@@ -196,6 +206,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         sequential: str | None = None,
         balance: Sequence[int] | None = None,
         timeout: float = 300.0,
+        checkpoint_format: str = "full",
         process_group_backend: str | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
@@ -225,6 +236,12 @@ class PipelineParallelStrategy(ParallelStrategy):
             )
         if timeout <= 0:
             raise PipelineConfigError(f"timeout={timeout} must be a positive number of seconds.")
+        if checkpoint_format not in ("full", "sharded"):
+            raise PipelineConfigError(
+                f"checkpoint_format={checkpoint_format!r}; use 'full' (one file plain Lightning loads) or 'sharded' "
+                f"(a folder with one file per stage, nothing gathered on one rank)."
+            )
+        self.checkpoint_format = checkpoint_format
         self.schedule_name = schedule
         self._microbatches = microbatches
         self._sequential_name = sequential
@@ -388,7 +405,9 @@ class PipelineParallelStrategy(ParallelStrategy):
             self._check_no_shared_parameters(module, name, sequential, balance)
             local = stage_layer_ranges(balance)[self.stage]
             stage_module = _StageSequential(
-                OrderedDict(layers[i] for i in local), self.stage, self.num_stages, name
+                OrderedDict(layers[i] for i in local), self.stage, self.num_stages, name,
+                full_param_order={n: i for i, (n, _) in enumerate(module.named_parameters())},
+                full_state_keys=list(module.state_dict()),
             )
             parent_name, _, attribute = name.rpartition(".")
             setattr(module.get_submodule(parent_name) if parent_name else module, attribute, stage_module)
@@ -592,6 +611,130 @@ class PipelineParallelStrategy(ParallelStrategy):
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
+
+    # ------------------------------------------------------------------------------------------------ checkpoints
+
+    @property
+    @override
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # load into the partitioned module and the stage's optimizers
+
+    def _name_of(self) -> dict[int, str]:
+        assert self.lightning_module is not None
+        return {id(p): n for n, p in self.lightning_module.named_parameters()}
+
+    def _gather_on_zero(self, obj: Any) -> list[Any]:
+        if self.num_stages == 1:
+            return [obj]
+        gathered: list[Any] | None = [None] * self.num_stages if self.is_global_zero else None
+        dist.gather_object(obj, gathered, dst=0)
+        return gathered or []
+
+    def _own_state(self) -> dict[str, Tensor]:
+        """The state entries this stage holds alone (its layers), plus, on stage 0, everything replicated."""
+        assert self.lightning_module is not None and self._stage_module is not None
+        prefix = self._stage_module.attribute + "."
+        return {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()
+                if k.startswith(prefix) or self.stage == 0}
+
+    @override
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        assert self.lightning_module is not None and self._stage_module is not None
+        if self.checkpoint_format == "sharded" or self.num_stages == 1:
+            return self.lightning_module.state_dict()
+        parts = self._gather_on_zero(self._own_state())
+        if not self.is_global_zero:
+            return {}
+        merged: dict[str, Tensor] = {}
+        for part in parts:
+            merged.update(part)
+        return {key: merged[key] for key in self._stage_module.full_state_keys}
+
+    @override
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        assert self._stage_module is not None
+        named = named_state(getattr(optimizer, "_optimizer", optimizer), self._name_of())
+        if self.checkpoint_format == "sharded":
+            return named
+        parts = self._gather_on_zero(named)
+        return named_to_indexed(merge_named(parts, self._stage_module.full_param_order)) if parts else {}
+
+    @override
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if self.checkpoint_format == "full":
+            super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
+            return
+        folder = str(filepath)
+        os.makedirs(folder, exist_ok=True)
+        shard = {"state_dict": self._own_state(), "optimizer_states": checkpoint.get("optimizer_states", [])}
+        torch.save(shard, os.path.join(folder, f"stage{self.stage}.pt"))
+        if self.is_global_zero:
+            meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            meta["lightning_pp"] = {"format": "sharded", "num_stages": self.num_stages}
+            torch.save(meta, os.path.join(folder, "checkpoint.pt"))
+
+    @override
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        path = str(checkpoint_path)
+        if not os.path.isdir(path):
+            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
+        assert self.lightning_module is not None and self._stage_module is not None
+        only = bool(weights_only)
+        checkpoint = torch.load(os.path.join(path, "checkpoint.pt"), map_location="cpu", weights_only=only)
+        wanted = set(self.lightning_module.state_dict())
+        state: dict[str, Tensor] = {}
+        optimizer_parts: list[list[Any]] = []
+        for stage in range(checkpoint["lightning_pp"]["num_stages"]):
+            shard = torch.load(os.path.join(path, f"stage{stage}.pt"), map_location="cpu", weights_only=only)
+            state.update({k: v for k, v in shard["state_dict"].items() if k in wanted})
+            optimizer_parts.append(shard["optimizer_states"])
+        checkpoint["state_dict"] = state
+        order = self._stage_module.full_param_order
+        checkpoint["optimizer_states"] = [
+            merge_named(list(parts), order) for parts in zip(*optimizer_parts, strict=True)
+        ]
+        return checkpoint
+
+    @override
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        module = self.lightning_module
+        assert module is not None
+        saved = checkpoint["state_dict"]
+        local_keys = list(module.state_dict())
+        missing = [k for k in local_keys if k not in saved]
+        if missing and strict:
+            raise PipelineConfigError(
+                f"The checkpoint has no entries for {missing[:5]} (of {len(missing)} missing) of pipeline stage "
+                f"{self.stage}: it was saved from a different model."
+            )
+        module.load_state_dict({k: saved[k] for k in local_keys if k in saved}, strict=strict)
+
+    @override
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        name_of = self._name_of()
+        for optimizer, saved in zip(self.optimizers, checkpoint["optimizer_states"], strict=True):
+            inner = getattr(optimizer, "_optimizer", optimizer)
+            if "names" in saved and "groups" in saved:
+                named = saved
+            else:
+                names = saved.get(NAMES_KEY) or self._full_group_names(inner, name_of)
+                named = indexed_to_named(saved, names)
+            load_named(inner, named, name_of)
+            _compat._optimizers_to_device([inner], self.root_device)
+
+    def _full_group_names(self, optimizer: Optimizer, name_of: dict[int, str]) -> list[list[str]]:
+        """Each param group's names as a single-device optimizer orders them: the module's parameter order.
+
+        Needed for checkpoints written by plain Lightning, which number parameters without naming them.
+        """
+        assert self._stage_module is not None
+        local = [[name_of[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+        parts: list[Any] = [local]
+        if self.num_stages > 1:
+            parts = [None] * self.num_stages
+            dist.all_gather_object(parts, local)
+        order = self._stage_module.full_param_order
+        return [sorted({n for part in parts for n in part[g]}, key=lambda n: order[n]) for g in range(len(local))]
 
     @override
     def teardown(self) -> None:

@@ -192,8 +192,10 @@ MODELS: dict[str, type[L.LightningModule]] = {
 
 
 def fit(model_name: str, strategy: Any = "auto", devices: int = 1, max_steps: int = 4,
-        batch_size: int = 8, **trainer_kwargs: Any) -> tuple[L.LightningModule, RecordingLogger]:
-    """Seed, build, train; the same call runs the single-device reference and each pipelined rank."""
+        batch_size: int = 8, ckpt_path: str | None = None, save_to: str | None = None,
+        **trainer_kwargs: Any) -> tuple[L.LightningModule, RecordingLogger]:
+    """Seed, build, train (resuming from ``ckpt_path``, saving to ``save_to``); the same call runs the
+    single-device reference and each pipelined rank."""
     L.seed_everything(7, verbose=False)
     model = MODELS[model_name]()
     logger = RecordingLogger()
@@ -202,7 +204,9 @@ def fit(model_name: str, strategy: Any = "auto", devices: int = 1, max_steps: in
         **{"log_every_n_steps": 1, "enable_checkpointing": False, "enable_progress_bar": False,
            "enable_model_summary": False, "num_sanity_val_steps": 0, **trainer_kwargs},
     )  # fmt: skip
-    trainer.fit(model, make_data(model_name, batch_size=batch_size))
+    trainer.fit(model, make_data(model_name, batch_size=batch_size), ckpt_path=ckpt_path)
+    if save_to is not None:
+        trainer.save_checkpoint(save_to)
     return model, logger
 
 
@@ -267,3 +271,24 @@ def lifecycle(strategy: Any = "auto", devices: int = 1, **trainer_kwargs: Any) -
     predicted = trainer.predict(module)
     return {"state": {k: v.detach().clone() for k, v in module.state_dict().items()}, "history": logger.history,
             "callback_metrics": callback_metrics, "validate": validated, "test": tested, "predict": predicted}
+
+
+def with_callbacks(dirpath: str, strategy: Any = "auto", devices: int = 1) -> dict[str, Any]:
+    """ModelCheckpoint on val_loss, EarlyStopping and LearningRateMonitor: the decisions a test compares."""
+    from lightning.pytorch.callbacks import EarlyStopping, LearningRateMonitor, ModelCheckpoint
+
+    checkpoint = ModelCheckpoint(dirpath=dirpath, monitor="val_loss", save_top_k=2, save_last=True)
+    early = EarlyStopping(monitor="val_loss", patience=1, min_delta=0.002)
+    module, logger = fit("lifecycle", strategy, devices=devices, max_steps=-1, max_epochs=8,
+                         enable_checkpointing=True, callbacks=[checkpoint, early, LearningRateMonitor("step")])
+    from pathlib import Path
+
+    return {
+        "best_score": float(checkpoint.best_model_score),
+        "best_path": Path(checkpoint.best_model_path).name,
+        "top_k": sorted((Path(p).name, float(s)) for p, s in checkpoint.best_k_models.items()),
+        "stopped_epoch": early.stopped_epoch,
+        "epochs": module.trainer.current_epoch,
+        "lr": [m["lr-AdamW"] for _, m in logger.history if "lr-AdamW" in m],
+        "files": sorted(p.name for p in Path(dirpath).iterdir()),
+    }

@@ -14,11 +14,15 @@ WORLD_SIZE = int(os.environ["WORLD_SIZE"])  # read once: Lightning's environment
 
 
 def train(model: str, max_steps: int = 4, batch_size: int = 8, trainer: dict[str, Any] | None = None,
-          timeout: float = 60, **strategy: Any) -> dict[str, Any]:
+          timeout: float = 60, max_epochs: int | None = None, ckpt_path: str | None = None,
+          save_to: str | None = None, **strategy: Any) -> dict[str, Any]:
     """Train pipelined; return this stage's parameters and (on rank 0) the logged metrics."""
+    extra = dict(trainer or {})
+    if max_epochs is not None:
+        extra["max_epochs"] = max_epochs
     module, logger = fit(model, PipelineParallelStrategy(timeout=timeout, **strategy),
-                         devices=WORLD_SIZE, max_steps=max_steps, batch_size=batch_size,
-                         **(trainer or {}))
+                         devices=WORLD_SIZE, max_steps=max_steps, batch_size=batch_size, ckpt_path=ckpt_path,
+                         save_to=save_to, **extra)
     return {"state": {k: v.detach().clone() for k, v in module.state_dict().items()}, "history": logger.history,
             "callback_metrics": {k: float(v) for k, v in module.trainer.callback_metrics.items()}}
 
@@ -86,3 +90,9 @@ def lifecycle(timeout: float = 60, **strategy: Any) -> dict[str, Any]:
 
     return models.lifecycle(PipelineParallelStrategy(timeout=timeout, **strategy), devices=WORLD_SIZE,
                             num_sanity_val_steps=2)
+
+
+def with_callbacks(dirpath: str, timeout: float = 60, **strategy: Any) -> dict[str, Any]:
+    import models
+
+    return models.with_callbacks(dirpath, PipelineParallelStrategy(timeout=timeout, **strategy), devices=WORLD_SIZE)

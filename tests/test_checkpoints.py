@@ -1,0 +1,88 @@
+"""Multi-process tier: full and sharded checkpoints, plain-Lightning loading, resuming across stage counts."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import torch
+from _launch import launch
+from models import MLPClassifier, fit
+from test_equivalence import assemble
+
+RESUME_TOL = 1e-6
+
+
+def run(model: str = "mlp", **kwargs: Any) -> dict[str, Any]:
+    return {"scenario": "train", "kwargs": {"model": model, "max_steps": -1, **kwargs}}
+
+
+def single_device(**kwargs: Any) -> dict[str, torch.Tensor]:
+    module, _ = fit("mlp", max_steps=-1, **kwargs)
+    return {k: v.detach().clone() for k, v in module.state_dict().items()}
+
+
+def assert_params_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], label: str) -> None:
+    assert sorted(got) == sorted(want), label
+    for name, value in want.items():
+        torch.testing.assert_close(got[name], value, rtol=0, atol=RESUME_TOL, msg=lambda m, n=name: f"{label} {n}: {m}")
+
+
+def test_full_checkpoint_loads_in_plain_lightning_and_resumes_everywhere(tmp_path: Path) -> None:
+    uninterrupted = single_device(max_epochs=2)
+    single_ckpt = str(tmp_path / "single.ckpt")
+    single_device(max_epochs=1, save_to=single_ckpt)
+    two_stage_ckpt = str(tmp_path / "two.ckpt")
+
+    ranks = launch(2, [run(schedule="1f1b", microbatches=2, max_epochs=1, save_to=two_stage_ckpt, trainer={}),
+                       run(schedule="gpipe", microbatches=2, max_epochs=2, ckpt_path=single_ckpt, trainer={})],
+                   timeout=300)
+    pipelined_epoch1, _ = assemble(ranks, 0)
+    assert_params_close(assemble(ranks, 1)[0], uninterrupted, "single-device checkpoint resumed on 2 stages")
+
+    # the pipelined checkpoint is a plain Lightning checkpoint: weights_only load, one device
+    checkpoint = torch.load(two_stage_ckpt, weights_only=True)
+    assert sorted(checkpoint["state_dict"]) == sorted(pipelined_epoch1)
+    loaded = MLPClassifier.load_from_checkpoint(two_stage_ckpt, weights_only=True)
+    assert_params_close({k: v for k, v in loaded.state_dict().items()}, pipelined_epoch1, "load_from_checkpoint")
+    resumed_single = single_device(max_epochs=2, ckpt_path=two_stage_ckpt)
+    assert_params_close(resumed_single, uninterrupted, "2-stage checkpoint resumed on one device")
+
+    ranks = launch(4, [run(schedule="1f1b", microbatches=4, max_epochs=2, ckpt_path=two_stage_ckpt, trainer={})],
+                   timeout=300)
+    assert_params_close(assemble(ranks, 0)[0], uninterrupted, "2-stage checkpoint resumed on 4 stages")
+
+
+def test_sharded_checkpoint_resumes_on_other_stage_counts(tmp_path: Path) -> None:
+    uninterrupted = single_device(max_epochs=2)
+    four = str(tmp_path / "four_stages.ckpt")
+    ranks = launch(4, [run(schedule="gpipe", microbatches=4, max_epochs=1, save_to=four,
+                           checkpoint_format="sharded", trainer={})], timeout=300)
+    assert sorted(p.name for p in Path(four).iterdir()) == [
+        "checkpoint.pt", "stage0.pt", "stage1.pt", "stage2.pt", "stage3.pt"]
+    ranks = launch(2, [run(schedule="1f1b", microbatches=2, max_epochs=2, ckpt_path=four,
+                           checkpoint_format="sharded", trainer={})], timeout=300)
+    assert_params_close(assemble(ranks, 0)[0], uninterrupted, "4-stage sharded checkpoint resumed on 2 stages")
+
+
+def test_model_checkpoint_early_stopping_and_lr_monitor_decide_as_single_device(tmp_path: Path) -> None:
+    import models
+
+    expected = models.with_callbacks(str(tmp_path / "single"))
+    assert expected["stopped_epoch"] > 0, "EarlyStopping should trigger in this configuration"
+    ranks = launch(2, [{"scenario": "with_callbacks", "kwargs": {"dirpath": str(tmp_path / "pipe"),
+                                                                  "schedule": "1f1b", "microbatches": 2}}],
+                   timeout=300)
+    for rank in ranks:
+        assert not rank.errors, rank.errors
+        got = rank.results[0]
+        assert got["best_path"] == expected["best_path"]
+        assert got["stopped_epoch"] == expected["stopped_epoch"] and got["epochs"] == expected["epochs"]
+        assert [name for name, _ in got["top_k"]] == [name for name, _ in expected["top_k"]]
+        assert abs(got["best_score"] - expected["best_score"]) < 1e-5
+        assert got["files"] == expected["files"]
+    assert ranks[0].results[0]["lr"] == expected["lr"]
+    best = torch.load(tmp_path / "pipe" / expected["best_path"], weights_only=True)
+    want = torch.load(tmp_path / "single" / expected["best_path"], weights_only=True)
+    for name, value in want["state_dict"].items():
+        torch.testing.assert_close(best["state_dict"][name], value, rtol=1e-5, atol=5e-6)
