@@ -353,6 +353,8 @@ class PipelineParallelStrategy(ParallelStrategy):
         if trainer.state.fn == TrainerFn.FITTING:
             self.setup_optimizers(trainer)
         self.setup_precision_plugin()
+        # Lightning clips by the norm of this stage's gradients; the right norm spans every stage
+        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
         if trainer.state.fn == TrainerFn.FITTING:
             _compat._optimizers_to_device(self.optimizers, self.root_device)
         self._p2p = StageP2P(self.stage, list(range(self.num_stages)), self.root_device, self.timeout)
@@ -590,6 +592,21 @@ class PipelineParallelStrategy(ParallelStrategy):
             for p in group:
                 p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
                 offset += p.numel()
+
+    def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        """``clip_grad_norm_`` over the whole pipeline: squared norms summed over stages, each weight counted once."""
+        replicated = {id(p) for p in self._replicated}
+        grads = [p.grad for p in self.precision_plugin.main_params(optimizer)
+                 if p.grad is not None and (id(p) not in replicated or self.stage == 0)]
+        squared = torch.zeros((), dtype=torch.float64, device=self.root_device)
+        for grad in grads:
+            squared += torch.linalg.vector_norm(grad.detach(), dtype=torch.float64) ** 2
+        if self.num_stages > 1:
+            dist.all_reduce(squared)
+        scale = torch.clamp(clip_val / (squared.sqrt() + 1e-6), max=1.0)
+        for p in self.precision_plugin.main_params(optimizer):
+            if p.grad is not None:
+                p.grad.mul_(scale.to(p.grad.dtype))
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:

@@ -81,3 +81,15 @@ def test_balance_accumulation_and_uneven_batches() -> None:
         assert_matches(full, history, expected[index], str(run["kwargs"]))
     assert sorted(k for k in ranks[0].results[0]["state"] if k.startswith("layers.")) == [
         "layers.0.bias", "layers.0.weight"]
+
+
+def test_gradient_clipping_by_global_norm_and_value() -> None:
+    cases = [{"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"},
+             {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}]
+    runs = [{"scenario": "train", "kwargs": {"model": model, "schedule": "1f1b", "microbatches": 2, "trainer": case}}
+            for case in cases for model in ("mlp", "tied")]
+    ranks = launch(2, runs, timeout=300)
+    for index, run in enumerate(runs):
+        full, history = assemble(ranks, index)
+        expected = reference(run["kwargs"]["model"], **run["kwargs"]["trainer"])
+        assert_matches(full, history, expected, str(run["kwargs"]))
