@@ -115,13 +115,9 @@ class NoSequentialCall(MLPClassifier):
         return nn.functional.cross_entropy(self.head(hidden), y)
 
 
-class WithValidation(MLPClassifier):
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        self.log("val_loss", nn.functional.cross_entropy(self(x), y))
-
-    def val_dataloader(self) -> DataLoader:
-        return make_data("mlp")
+class SequentialInHook(MLPClassifier):
+    def on_train_epoch_end(self) -> None:
+        self.layers(torch.zeros(1, 16))
 
 
 class Lifecycle(MLPClassifier):
@@ -186,7 +182,7 @@ def make_data(model_name: str, batch_size: int = 8, batches: int = 4, seed: int 
 
 MODELS: dict[str, type[L.LightningModule]] = {
     "mlp": MLPClassifier, "tied": TiedLM, "two_sequentials": TwoSequentials, "too_few_layers": TooFewLayers,
-    "manual": ManualOptimization, "no_sequential_call": NoSequentialCall, "with_validation": WithValidation,
+    "manual": ManualOptimization, "no_sequential_call": NoSequentialCall, "sequential_in_hook": SequentialInHook,
     "lifecycle": Lifecycle,
 }
 

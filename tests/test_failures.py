@@ -16,7 +16,7 @@ def test_configuration_errors_on_every_rank() -> None:
         {"scenario": "expect_error", "kwargs": {"model": "too_few_layers"}},
         {"scenario": "expect_error", "kwargs": {"model": "manual"}},
         {"scenario": "expect_error", "kwargs": {"model": "mlp", "microbatches": 16}},
-        {"scenario": "expect_error", "kwargs": {"model": "with_validation"}},
+        {"scenario": "expect_error", "kwargs": {"model": "sequential_in_hook"}},
     ]
     expected = [
         r"balance=[3, 3] sums to 6 but the sequential has 8 layers",
@@ -26,7 +26,7 @@ def test_configuration_errors_on_every_rank() -> None:
         r"The sequential has 1 layers but the pipeline has 2 stages",
         r"uses manual optimization",
         r"A batch of 8 samples cannot be split into 16 micro-batches",
-        r"it can only be called inside a pipelined training_step. Validation, test and predict steps",
+        r"it can only be called inside a pipelined training, validation, test or predict step, not from other hooks",
     ]
     ranks = launch(2, runs, timeout=200)
     for rank in ranks:
