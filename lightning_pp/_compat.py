@@ -1,5 +1,8 @@
-"""The private Lightning APIs lightning_pp relies on, gathered in one place so an upgrade touches one file."""
+"""The private Lightning and torch APIs lightning_pp relies on, gathered in one place so an upgrade touches one file."""
 
+from typing import Any
+
+import torch
 from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
     _init_dist_connection,
@@ -8,8 +11,15 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 
+
+def _found_inf_per_device(scaler: torch.amp.GradScaler, optimizer: Any) -> dict[torch.device, torch.Tensor]:
+    """The scaler's per-device inf/NaN flags for ``optimizer``, filled by ``unscale_`` and read by ``step``."""
+    return scaler._per_optimizer_states[id(optimizer)]["found_inf_per_device"]  # type: ignore[no-any-return]
+
+
 __all__ = [
     "_SubprocessScriptLauncher",
+    "_found_inf_per_device",
     "_get_default_process_group_backend_for_device",
     "_init_dist_connection",
     "_optimizers_to_device",

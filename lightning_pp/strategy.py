@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+import weakref
 from collections import OrderedDict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import contextmanager
@@ -43,6 +44,7 @@ __all__ = ["PipelineParallelStrategy"]
 log = logging.getLogger(__name__)
 
 
+_AGREEING_SCALERS: weakref.WeakSet[torch.amp.GradScaler] = weakref.WeakSet()  # scalers already patched
 _NOTHING = torch.empty(0)  # what an evaluation forward on the last stage hands the runtime (nothing to send)
 
 
@@ -63,8 +65,9 @@ class _StageSequential(nn.Sequential):
     """
 
     def __init__(self, layers: OrderedDict[str, nn.Module], stage: int, num_stages: int, attribute: str,
-                 full_param_order: dict[str, int], full_state_keys: list[str]) -> None:
+                 full_param_order: dict[str, int], full_state_keys: list[str], full_layer_names: list[str]) -> None:
         super().__init__(layers)
+        self.full_layer_names = full_layer_names  # every layer of the unpartitioned sequential, in order
         self.stage = stage
         self.num_stages = num_stages
         self.attribute = attribute
@@ -83,6 +86,20 @@ class _StageSequential(nn.Sequential):
             return super().forward(input)
         finally:
             self._applying = False
+
+    @override
+    def __getitem__(self, index: Any) -> Any:
+        """``self.layers[i]`` means layer ``i`` of the full sequential, as before partitioning."""
+        if not isinstance(index, int):
+            return super().__getitem__(index)
+        name = self.full_layer_names[index]
+        if name not in self._modules:
+            raise PipelineConfigError(
+                f"Layer {index} of `self.{self.attribute}` lives on another pipeline stage; stage {self.stage} holds "
+                f"layers {list(self._modules)}. Check `{index!r} in self.{self.attribute}._modules` first, or act "
+                f"on it from code that runs on every stage."
+            )
+        return self._modules[name]
 
     @override
     def __iter__(self) -> Iterator[nn.Module]:
@@ -355,6 +372,12 @@ class PipelineParallelStrategy(ParallelStrategy):
         self.setup_precision_plugin()
         # Lightning clips by the norm of this stage's gradients; the right norm spans every stage
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
+        scaler = self._grad_scaler()
+        if scaler is not None and scaler not in _AGREEING_SCALERS:
+            # a stage that finds inf/NaN must make every stage skip the step and back off the scale alike
+            local_unscale = scaler.unscale_
+            scaler.unscale_ = lambda optimizer: self._unscale_agreeing(scaler, local_unscale, optimizer)  # type: ignore[method-assign]
+            _AGREEING_SCALERS.add(scaler)
         if trainer.state.fn == TrainerFn.FITTING:
             _compat._optimizers_to_device(self.optimizers, self.root_device)
         self._p2p = StageP2P(self.stage, list(range(self.num_stages)), self.root_device, self.timeout)
@@ -410,6 +433,7 @@ class PipelineParallelStrategy(ParallelStrategy):
                 OrderedDict(layers[i] for i in local), self.stage, self.num_stages, name,
                 full_param_order={n: i for i, (n, _) in enumerate(module.named_parameters())},
                 full_state_keys=list(module.state_dict()),
+                full_layer_names=[layer_name for layer_name, _ in layers],
             )
             parent_name, _, attribute = name.rpartition(".")
             setattr(module.get_submodule(parent_name) if parent_name else module, attribute, stage_module)
@@ -520,7 +544,8 @@ class PipelineParallelStrategy(ParallelStrategy):
                     f"supported)."
                 )
             outputs[mb] = float(loss.detach())
-            return loss * weights[mb]
+            scaler = self._grad_scaler()
+            return scaler.scale(loss * weights[mb]) if scaler is not None else loss * weights[mb]
 
         schedule = self._schedule(len(microbatches), forward_only=not training)
         events: list[TimelineEvent] | None = [] if training and self.timing_sink is not None else None
@@ -592,6 +617,25 @@ class PipelineParallelStrategy(ParallelStrategy):
             for p in group:
                 p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
                 offset += p.numel()
+
+    def _grad_scaler(self) -> torch.amp.GradScaler | None:
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        return scaler if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
+
+    def _unscale_agreeing(self, scaler: torch.amp.GradScaler, unscale: Callable[[Optimizer], None],
+                          optimizer: Optimizer) -> None:
+        """Unscale, then make the inf/NaN verdict the same on every stage (the max over the pipeline)."""
+        unscale(optimizer)
+        found = _compat._found_inf_per_device(scaler, optimizer)
+        verdict = torch.zeros((), dtype=torch.float32, device=self.root_device)
+        for value in found.values():
+            verdict = torch.maximum(verdict, value.to(self.root_device).reshape(()))
+        if self.num_stages > 1:
+            dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
+        if not found:
+            found[self.root_device] = verdict
+        for value in found.values():
+            value.copy_(verdict.to(value.device))
 
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         """``clip_grad_norm_`` over the whole pipeline: squared norms summed over stages, each weight counted once."""

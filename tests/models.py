@@ -115,6 +115,14 @@ class NoSequentialCall(MLPClassifier):
         return nn.functional.cross_entropy(self.head(hidden), y)
 
 
+class InfOnOneStage(MLPClassifier):
+    """At step 1 a gradient of layer 6 (on the last stage when pipelined) becomes inf: every stage must skip."""
+
+    def on_after_backward(self) -> None:
+        if self.trainer.global_step == 1 and "6" in self.layers._modules:
+            self.layers[6].weight.grad[0, 0] = float("inf")
+
+
 class SequentialInHook(MLPClassifier):
     def on_train_epoch_end(self) -> None:
         self.layers(torch.zeros(1, 16))
@@ -183,8 +191,16 @@ def make_data(model_name: str, batch_size: int = 8, batches: int = 4, seed: int 
 MODELS: dict[str, type[L.LightningModule]] = {
     "mlp": MLPClassifier, "tied": TiedLM, "two_sequentials": TwoSequentials, "too_few_layers": TooFewLayers,
     "manual": ManualOptimization, "no_sequential_call": NoSequentialCall, "sequential_in_hook": SequentialInHook,
+    "inf_on_one_stage": InfOnOneStage,
     "lifecycle": Lifecycle,
 }
+
+
+def fp16_with_scaler() -> Any:
+    """16-bit mixed precision with a gradient scaler, on CPU (Lightning's '16-mixed' means bf16 there)."""
+    from lightning.pytorch.plugins.precision import MixedPrecision
+
+    return MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10))
 
 
 def fit(model_name: str, strategy: Any = "auto", devices: int = 1, max_steps: int = 4,

@@ -15,16 +15,22 @@ WORLD_SIZE = int(os.environ["WORLD_SIZE"])  # read once: Lightning's environment
 
 def train(model: str, max_steps: int = 4, batch_size: int = 8, trainer: dict[str, Any] | None = None,
           timeout: float = 60, max_epochs: int | None = None, ckpt_path: str | None = None,
-          save_to: str | None = None, **strategy: Any) -> dict[str, Any]:
+          save_to: str | None = None, fp16_scaler: bool = False, **strategy: Any) -> dict[str, Any]:
     """Train pipelined; return this stage's parameters and (on rank 0) the logged metrics."""
     extra = dict(trainer or {})
+    if fp16_scaler:
+        from models import fp16_with_scaler
+
+        extra["plugins"] = [fp16_with_scaler()]
     if max_epochs is not None:
         extra["max_epochs"] = max_epochs
     module, logger = fit(model, PipelineParallelStrategy(timeout=timeout, **strategy),
                          devices=WORLD_SIZE, max_steps=max_steps, batch_size=batch_size, ckpt_path=ckpt_path,
                          save_to=save_to, **extra)
+    scaler = getattr(module.trainer.precision_plugin, "scaler", None)
     return {"state": {k: v.detach().clone() for k, v in module.state_dict().items()}, "history": logger.history,
-            "callback_metrics": {k: float(v) for k, v in module.trainer.callback_metrics.items()}}
+            "callback_metrics": {k: float(v) for k, v in module.trainer.callback_metrics.items()},
+            "scale": scaler.get_scale() if scaler is not None else None}
 
 
 def expect_error(model: str, trainer: dict[str, Any] | None = None, **strategy: Any) -> dict[str, str]:
