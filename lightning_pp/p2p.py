@@ -4,6 +4,11 @@ The header (dtype code, number of dimensions, shape) lets the receiver allocate 
 pickling, no shapes or dtypes fixed in advance, so hidden sizes may change from stage to stage and from batch to batch.
 Sends are asynchronous; a receive waits, at most ``timeout`` seconds, and turns any failure into an error that names
 this stage, the action and the peer.
+
+On gloo, headers and tensors travel under different tags, and a step posts the header receives of all its transfers
+up front (:meth:`StageP2P.post_headers`): a header is then in place when it arrives, and a receive costs one
+rendezvous (the tensor's) instead of two. NCCL ignores tags and matches in posting order, so there each header is
+received right before its tensor.
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ _DTYPES = (
 _DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
 _MAX_DIMS = 8
 _HEADER_LEN = 2 + _MAX_DIMS
+_HEADER_TAG, _TENSOR_TAG = 1, 2
 
 
 def _posted(work: dist.Work | None) -> dist.Work:
@@ -52,6 +58,16 @@ class StageP2P:
         self._poll = dist.get_backend(group) != "gloo"
         # (action, works, buffers): works and the buffers they read stay referenced until the send has completed
         self._pending_sends: list[tuple[Action, list[dist.Work], tuple[torch.Tensor, torch.Tensor]]] = []
+        self._posted_headers: dict[Action, tuple[torch.Tensor, dist.Work]] = {}
+
+    def post_headers(self, actions: Sequence[Action]) -> None:
+        """Post the header receive of every receive in ``actions`` now (gloo only; see the module docstring)."""
+        if self._poll:
+            return
+        for action in actions:
+            if not action.is_compute and not action.is_send:
+                header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
+                self._posted_headers[action] = (header, self._irecv(header, action, _HEADER_TAG))
 
     def send(self, tensor: torch.Tensor, action: Action) -> None:
         """Post the header and the tensor to ``action.peer``; both stay referenced until :meth:`wait_sends`."""
@@ -68,21 +84,24 @@ class StageP2P:
         payload = tensor.detach().contiguous()
         peer = self.stage_ranks[action.peer]
         try:
-            works = [_posted(dist.isend(header, peer, group=self.group)),
-                     _posted(dist.isend(payload, peer, group=self.group))]
+            works = [_posted(dist.isend(header, peer, group=self.group, tag=_HEADER_TAG)),
+                     _posted(dist.isend(payload, peer, group=self.group, tag=_TENSOR_TAG))]
         except RuntimeError as error:
             raise self._error(action, "posting the send", error) from error
         self._pending_sends.append((action, works, (header, payload)))
 
     def recv(self, action: Action) -> tuple[torch.Tensor, float]:
         """Receive the tensor of ``action`` from its peer; also return when its header arrived (perf_counter)."""
-        peer = self.stage_ranks[action.peer]
-        header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
-        self._wait(self._irecv(header, peer, action), action, "waiting for the header")
+        if action in self._posted_headers:
+            header, work = self._posted_headers.pop(action)
+        else:
+            header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
+            work = self._irecv(header, action, _HEADER_TAG)
+        self._wait(work, action, "waiting for the header")
         header_arrived = time.perf_counter()
         code, ndim, *dims = header.tolist()
         buffer = torch.empty(dims[:ndim], dtype=_DTYPES[code], device=self.device)
-        self._wait(self._irecv(buffer, peer, action), action, "receiving the tensor")
+        self._wait(self._irecv(buffer, action, _TENSOR_TAG), action, "receiving the tensor")
         return buffer, header_arrived
 
     def wait_sends(self) -> None:
@@ -92,9 +111,9 @@ class StageP2P:
                 self._wait(work, action, "completing the send")
         self._pending_sends.clear()
 
-    def _irecv(self, buffer: torch.Tensor, peer: int, action: Action) -> dist.Work:
+    def _irecv(self, buffer: torch.Tensor, action: Action, tag: int) -> dist.Work:
         try:
-            return _posted(dist.irecv(buffer, peer, group=self.group))
+            return _posted(dist.irecv(buffer, self.stage_ranks[action.peer], group=self.group, tag=tag))
         except RuntimeError as error:
             raise self._error(action, "posting the receive", error) from error
 

@@ -45,6 +45,8 @@ def run_stage(
             synchronize()
         return time.perf_counter()
 
+    if p2p is not None:
+        p2p.post_headers(actions)
     for action in actions:
         mb = action.microbatch
         start = clock() if timed else 0.0
