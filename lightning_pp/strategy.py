@@ -183,7 +183,7 @@ class PipelineParallelStrategy(ParallelStrategy):
     stages run only their layers, the last stage runs the user's step on the received activation and computes the
     loss with the user's own code. Parameters outside the sequential are replicated on every stage and their gradients
     summed over the pipeline, so weights tied across the sequential (embedding and head) train correctly. Every stage
-    loads the same batch.
+    loads the same batch. Validation, test and predict steps run the same way through the forward-only schedule.
 
     Each micro-batch's loss is weighted by its share of the batch's samples, so for losses that average over the batch
     (every torch loss by default) gradients, the returned loss and logged values equal single-device training. A batch
