@@ -178,7 +178,21 @@ class Lifecycle(MLPClassifier):
         return make_data("mlp", batch_size=5, batches=2, seed=97)
 
 
+def _example_gpt() -> Any:
+    """The GPT-style module of examples/train_gpt.py (attention, position embedding, head tied to the embedding)."""
+    import sys
+    from pathlib import Path
+
+    sys.path.insert(0, str(Path(__file__).parents[1] / "examples"))
+    import train_gpt
+
+    return train_gpt
+
+
 def make_data(model_name: str, batch_size: int = 8, batches: int = 4, seed: int = 1234) -> DataLoader:
+    if model_name == "gpt":
+        example = _example_gpt()
+        return DataLoader(example.CharDataset(example.make_corpus(4000), 32), batch_size=16, shuffle=False)
     generator = torch.Generator().manual_seed(seed)
     n = batch_size * batches
     if model_name != "tied":
@@ -193,6 +207,7 @@ MODELS: dict[str, type[L.LightningModule]] = {
     "manual": ManualOptimization, "no_sequential_call": NoSequentialCall, "sequential_in_hook": SequentialInHook,
     "inf_on_one_stage": InfOnOneStage,
     "lifecycle": Lifecycle,
+    "gpt": lambda: _example_gpt().GPT(vocab_size=len(set(_example_gpt().make_corpus(4000)))),
 }
 
 
@@ -304,3 +319,13 @@ def with_callbacks(dirpath: str, strategy: Any = "auto", devices: int = 1) -> di
         "lr": [m["lr-AdamW"] for _, m in logger.history if "lr-AdamW" in m],
         "files": sorted(p.name for p in Path(dirpath).iterdir()),
     }
+
+
+class GradientRecorder(L.Callback):
+    """Keeps the gradients the optimizer is about to apply at every step (after clipping, before the update)."""
+
+    def __init__(self) -> None:
+        self.grads: list[dict[str, torch.Tensor]] = []
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        self.grads.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None})

@@ -18,6 +18,12 @@ def train(model: str, max_steps: int = 4, batch_size: int = 8, trainer: dict[str
           save_to: str | None = None, fp16_scaler: bool = False, **strategy: Any) -> dict[str, Any]:
     """Train pipelined; return this stage's parameters and (on rank 0) the logged metrics."""
     extra = dict(trainer or {})
+    recorder = None
+    if extra.pop("record_grads", False):
+        from models import GradientRecorder
+
+        recorder = GradientRecorder()
+        extra["callbacks"] = [*extra.get("callbacks", []), recorder]
     if fp16_scaler:
         from models import fp16_with_scaler
 
@@ -30,7 +36,8 @@ def train(model: str, max_steps: int = 4, batch_size: int = 8, trainer: dict[str
     scaler = getattr(module.trainer.precision_plugin, "scaler", None)
     return {"state": {k: v.detach().clone() for k, v in module.state_dict().items()}, "history": logger.history,
             "callback_metrics": {k: float(v) for k, v in module.trainer.callback_metrics.items()},
-            "scale": scaler.get_scale() if scaler is not None else None}
+            "scale": scaler.get_scale() if scaler is not None else None,
+            "grads": recorder.grads if recorder is not None else None}
 
 
 def expect_error(model: str, trainer: dict[str, Any] | None = None, **strategy: Any) -> dict[str, str]:
