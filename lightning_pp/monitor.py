@@ -26,6 +26,7 @@ from lightning_pp.simulate import (
     TimelineEvent,
     simulate,
 )
+from lightning_pp.strategy import PipelineParallelStrategy
 
 __all__ = ["PipelineMonitor", "draw_timelines", "to_chrome_trace"]
 
@@ -82,9 +83,7 @@ class PipelineMonitor(pl.Callback):
         self.history: list[dict[str, float]] = []  # the metrics of every measured step (on global rank 0)
 
     @staticmethod
-    def _strategy(trainer: pl.Trainer) -> Any:
-        from lightning_pp.strategy import PipelineParallelStrategy
-
+    def _strategy(trainer: pl.Trainer) -> PipelineParallelStrategy:
         if not isinstance(trainer.strategy, PipelineParallelStrategy):
             raise PipelineConfigError(
                 f"PipelineMonitor needs Trainer(strategy=PipelineParallelStrategy(...)), got "
@@ -137,6 +136,7 @@ class PipelineMonitor(pl.Callback):
             timeline.events += [TimelineEvent(s, Action.parse(a), c, b - offset, e - offset)
                                 for s, a, c, b, e in rank_rows]
         schedule = strategy.last_schedule
+        assert schedule is not None  # set by the timed training step whose events these are
         predicted = simulate(schedule, _measured_costs(timeline))
         metrics = stage_metrics(timeline, predicted, self._samples)
         self.history.append({"step": float(step), **metrics})

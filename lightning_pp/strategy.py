@@ -49,7 +49,10 @@ _NOTHING = torch.empty(0)  # what an evaluation forward on the last stage hands 
 
 
 class _SequentialOutput(BaseException):
-    """Raised by the first stage's sequential to stop the user's step once the stage's output exists."""
+    """Raised by the first stage's sequential to stop the user's step once the stage's output exists.
+
+    A BaseException, so that an ``except Exception`` in the user's step cannot swallow it.
+    """
 
     def __init__(self, output: Tensor) -> None:
         super().__init__()
@@ -268,7 +271,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._stage_module: _StageSequential | None = None
         self._replicated: list[nn.Parameter] = []
-        self._pending_grads: list[Tensor | None] | None = None
+        self._pending_grads: list[tuple[nn.Parameter, Tensor]] = []  # this step's gradients, handed over in backward
         self._p2p: StageP2P | None = None
         self._schedules: dict[tuple[int, bool], Schedule] = {}
         self._log_recorder = LogRecorder()
@@ -447,9 +450,10 @@ class PipelineParallelStrategy(ParallelStrategy):
         module: nn.Module, name: str, sequential: nn.Sequential, balance: list[int]
     ) -> None:
         owner: dict[int, str] = {}
+        children = list(sequential.children())
         for index, stage_range in enumerate(stage_layer_ranges(balance)):
             for i in stage_range:
-                for p in list(sequential.children())[i].parameters():
+                for p in children[i].parameters():
                     if owner.setdefault(id(p), f"stage {index}") != f"stage {index}":
                         raise PipelineConfigError(
                             f"A parameter of `{name}` is shared between {owner[id(p)]} and stage {index}; stages "
@@ -513,6 +517,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         weights = [size / total / accumulation for size in sizes]
         first, last = self.stage == 0, self.stage == self.num_stages - 1
         outputs: dict[int, Any] = {}  # the last stage's step outputs (training: loss values)
+        scaler = self._grad_scaler() if training else None
 
         def forward(mb: int, received: Tensor | None) -> Tensor:
             if not first and not last:
@@ -544,7 +549,6 @@ class PipelineParallelStrategy(ParallelStrategy):
                     f"supported)."
                 )
             outputs[mb] = float(loss.detach())
-            scaler = self._grad_scaler()
             return scaler.scale(loss * weights[mb]) if scaler is not None else loss * weights[mb]
 
         schedule = self._schedule(len(microbatches), forward_only=not training)
@@ -569,7 +573,7 @@ class PipelineParallelStrategy(ParallelStrategy):
             )
         if training:
             self._sum_replicated_grads()
-            self._pending_grads = [p.grad for p in params]
+            self._pending_grads = [(p, p.grad) for p in params if p.grad is not None]
             for p, grad in zip(params, previous, strict=True):
                 p.grad = grad
 
@@ -640,17 +644,16 @@ class PipelineParallelStrategy(ParallelStrategy):
     def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
         """``clip_grad_norm_`` over the whole pipeline: squared norms summed over stages, each weight counted once."""
         replicated = {id(p) for p in self._replicated}
-        grads = [p.grad for p in self.precision_plugin.main_params(optimizer)
-                 if p.grad is not None and (id(p) not in replicated or self.stage == 0)]
+        grads = [(p, p.grad) for p in self.precision_plugin.main_params(optimizer) if p.grad is not None]
         squared = torch.zeros((), dtype=torch.float64, device=self.root_device)
-        for grad in grads:
-            squared += torch.linalg.vector_norm(grad.detach(), dtype=torch.float64) ** 2
+        for p, grad in grads:
+            if id(p) not in replicated or self.stage == 0:
+                squared += torch.linalg.vector_norm(grad.detach(), dtype=torch.float64) ** 2
         if self.num_stages > 1:
             dist.all_reduce(squared)
         scale = torch.clamp(clip_val / (squared.sqrt() + 1e-6), max=1.0)
-        for p in self.precision_plugin.main_params(optimizer):
-            if p.grad is not None:
-                p.grad.mul_(scale.to(p.grad.dtype))
+        for _, grad in grads:
+            grad.mul_(scale.to(grad.dtype))
 
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
@@ -659,16 +662,12 @@ class PipelineParallelStrategy(ParallelStrategy):
         assert module is not None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        if self._pending_grads is not None:
-            params = [p for p in module.parameters() if p.requires_grad]
-            for p, grad in zip(params, self._pending_grads, strict=True):
-                if grad is None:
-                    continue
-                if p.grad is None:
-                    p.grad = grad
-                else:
-                    p.grad.add_(grad)
-            self._pending_grads = None
+        for p, grad in self._pending_grads:
+            if p.grad is None:
+                p.grad = grad
+            else:
+                p.grad.add_(grad)
+        self._pending_grads = []
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss

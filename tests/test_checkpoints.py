@@ -44,7 +44,7 @@ def test_full_checkpoint_loads_in_plain_lightning_and_resumes_everywhere(tmp_pat
     checkpoint = torch.load(two_stage_ckpt, weights_only=True)
     assert sorted(checkpoint["state_dict"]) == sorted(pipelined_epoch1)
     loaded = MLPClassifier.load_from_checkpoint(two_stage_ckpt, weights_only=True)
-    assert_params_close({k: v for k, v in loaded.state_dict().items()}, pipelined_epoch1, "load_from_checkpoint")
+    assert_params_close(loaded.state_dict(), pipelined_epoch1, "load_from_checkpoint")
     resumed_single = single_device(max_epochs=2, ckpt_path=two_stage_ckpt)
     assert_params_close(resumed_single, uninterrupted, "2-stage checkpoint resumed on one device")
 
