@@ -293,15 +293,15 @@ def worker_lightning(run: dict[str, Any], rank: int) -> dict[str, Any]:
 
     timer = StepTimer()
     fit(run["steps"], [timer])
-    monitor = PipelineMonitor(logging_interval=1, timeline_every_n_steps=0)
-    probe = MemoryProbe(step=min(run["warmup"], run["monitor_steps"] - 1))
-    fit(run["monitor_steps"], [monitor, probe])
-    bubbles = [h["pipeline/bubble_fraction"] for h in monitor.history if "pipeline/bubble_fraction" in h]
-    return {
-        "times": timer.times if rank == 0 else [],
-        "bubble_fractions": bubbles,
-        "peak_saved_bytes": probe.meter.peak if probe.meter is not None else None,
-    }
+    bubbles: list[float] = []
+    peak_saved_bytes = None
+    if run["monitor_steps"] > 0:
+        monitor = PipelineMonitor(logging_interval=1, timeline_every_n_steps=0)
+        probe = MemoryProbe(step=min(run["warmup"], run["monitor_steps"] - 1))
+        fit(run["monitor_steps"], [monitor, probe])
+        bubbles = [h["pipeline/bubble_fraction"] for h in monitor.history if "pipeline/bubble_fraction" in h]
+        peak_saved_bytes = probe.meter.peak if probe.meter is not None else None
+    return {"times": timer.times if rank == 0 else [], "bubble_fractions": bubbles, "peak_saved_bytes": peak_saved_bytes}
 
 
 def worker_main(kind: str, spec_path: str, out_dir: str) -> None:

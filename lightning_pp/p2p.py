@@ -1,19 +1,28 @@
-"""Point-to-point transfers between neighbouring stages, each tensor preceded by a fixed-size metadata header.
+"""Point-to-point transfers between neighbouring stages: a small metadata header, then the tensor.
 
-The header (dtype code, number of dimensions, shape) lets the receiver allocate its buffer from what was sent: no
-pickling, no shapes or dtypes fixed in advance, so hidden sizes may change from stage to stage and from batch to batch.
+The header (dtype code, number of dimensions, shape) tells the receiver what was sent without pickling and without
+shapes or dtypes fixed in advance, so hidden sizes may change from stage to stage and from batch to batch. The
+receiver does not wait for the header to size its buffer, though: both ends expect a transfer to have the dtype and
+shape of the previous transfer on the same channel (source stage, destination stage, micro-batch), and they agree on
+that without talking because both saw that transfer. In the steady state every step looks like the last, the
+receive of the payload is posted together with the header's, and the tensor lands in place. When the tensor differs
+(or nothing is expected yet: the first step), the header says so, the expected payload is filler, and the tensor
+follows under a third tag.
+
+Posting receives before the peer sends is what makes transfers cheap: on gloo a send that finds its receive waiting
+leaves at once from the sending thread, while one that does not waits for gloo's background thread, which competes
+with compute for the CPU. So on gloo each stage keeps the receives of its next ``prefetch`` transfers per direction
+posted (:meth:`StageP2P.start_step`). NCCL runs the operations between two ranks in posting order, so a receive
+posted early could hold back a send to the same peer; there each receive is posted when its action runs.
+
 Sends are asynchronous; a receive waits, at most ``timeout`` seconds, and turns any failure into an error that names
 this stage, the action and the peer.
-
-On gloo, headers and tensors travel under different tags, and a step posts the header receives of all its transfers
-up front (:meth:`StageP2P.post_headers`): a header is then in place when it arrives, and a receive costs one
-rendezvous (the tensor's) instead of two. NCCL ignores tags and matches in posting order, so there each header is
-received right before its tensor.
 """
 
 from __future__ import annotations
 
 import time
+from collections import deque
 from collections.abc import Sequence
 from datetime import timedelta
 from typing import Any
@@ -22,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_pp.errors import PipelineCommError, PipelineTimeoutError
-from lightning_pp.schedules import Action
+from lightning_pp.schedules import Action, ActionType
 
 __all__ = ["StageP2P"]
 
@@ -34,7 +43,13 @@ _DTYPES = (
 _DTYPE_CODE = {dtype: code for code, dtype in enumerate(_DTYPES)}
 _MAX_DIMS = 8
 _HEADER_LEN = 2 + _MAX_DIMS
-_HEADER_TAG, _TENSOR_TAG = 1, 2
+# gloo matches messages per peer and tag in posting order, so each kind of message has its own tag: a resized tensor
+# can then never be taken for the next transfer's payload (NCCL ignores tags; there nothing is posted ahead)
+_HEADER_TAG, _PAYLOAD_TAG, _RESIZED_TAG = 1, 2, 3
+_RECEIVES = (ActionType.RECV_F, ActionType.RECV_B)
+
+# (header buffer, its work, payload buffer as expected or None, its work or None)
+_PostedReceive = tuple[torch.Tensor, dist.Work, "torch.Tensor | None", "dist.Work | None"]
 
 
 def _posted(work: dist.Work | None) -> dist.Work:
@@ -44,10 +59,19 @@ def _posted(work: dist.Work | None) -> dist.Work:
 
 
 class StageP2P:
-    """The transfers of one stage: ``send`` posts and returns, ``recv`` waits for the peer (bounded by ``timeout``)."""
+    """The transfers of one stage: ``send`` posts and returns, ``recv`` waits for the peer (bounded by ``timeout``).
+
+    Call :meth:`start_step` with the stage's actions before running them and :meth:`wait_sends` after.
+    """
 
     def __init__(
-        self, stage: int, stage_ranks: Sequence[int], device: torch.device, timeout: float, group: Any = None
+        self,
+        stage: int,
+        stage_ranks: Sequence[int],
+        device: torch.device,
+        timeout: float,
+        group: Any = None,
+        prefetch: int = 2,
     ) -> None:
         self.stage = stage
         self.stage_ranks = list(stage_ranks)
@@ -56,53 +80,66 @@ class StageP2P:
         self.group = group
         # NCCL's Work.wait does not block the host, so bound its wait by polling; gloo's wait takes a timeout itself
         self._poll = dist.get_backend(group) != "gloo"
+        self._prefetch = 0 if self._poll else prefetch
+        # (source stage, destination stage, micro-batch) -> (dtype, shape) of the last transfer; both ends agree
+        self._expected: dict[tuple[int, int, int], tuple[torch.dtype, list[int]]] = {}
+        self._unposted: dict[ActionType, deque[Action]] = {kind: deque() for kind in _RECEIVES}
+        self._posted: dict[Action, _PostedReceive] = {}
         # (action, works, buffers): works and the buffers they read stay referenced until the send has completed
-        self._pending_sends: list[tuple[Action, list[dist.Work], tuple[torch.Tensor, torch.Tensor]]] = []
-        self._posted_headers: dict[Action, tuple[torch.Tensor, dist.Work]] = {}
+        self._pending_sends: list[tuple[Action, list[dist.Work], list[torch.Tensor]]] = []
 
-    def post_headers(self, actions: Sequence[Action]) -> None:
-        """Post the header receive of every receive in ``actions`` now (gloo only; see the module docstring)."""
-        if self._poll:
-            return
-        for action in actions:
-            if not action.is_compute and not action.is_send:
-                header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
-                self._posted_headers[action] = (header, self._irecv(header, action, _HEADER_TAG))
+    def start_step(self, actions: Sequence[Action]) -> None:
+        """Queue this step's receives in order and post the first ``prefetch`` of each direction."""
+        for kind in _RECEIVES:
+            self._unposted[kind] = deque(a for a in actions if a.type is kind)
+            self._post_ahead(kind)
 
     def send(self, tensor: torch.Tensor, action: Action) -> None:
-        """Post the header and the tensor to ``action.peer``; both stay referenced until :meth:`wait_sends`."""
+        """Post ``tensor`` to ``action.peer``; what is sent stays referenced until :meth:`wait_sends`."""
         if tensor.dim() > _MAX_DIMS or tensor.dtype not in _DTYPE_CODE:
             raise PipelineCommError(
                 f"Stage {self.stage} cannot send a tensor of dtype {tensor.dtype} with shape {tuple(tensor.shape)} "
                 f"in {action}: supported are up to {_MAX_DIMS} dimensions and dtypes {[str(d) for d in _DTYPES]}."
             )
-        header = torch.zeros(_HEADER_LEN, dtype=torch.int64)
-        header[0] = _DTYPE_CODE[tensor.dtype]
-        header[1] = tensor.dim()
-        header[2 : 2 + tensor.dim()] = torch.tensor(tensor.shape, dtype=torch.int64)
-        header = header.to(self.device)
-        payload = tensor.detach().contiguous()
+        key = (self.stage, action.peer, action.microbatch)
+        expected = self._expected.get(key)
+        shape = list(tensor.shape)
+        header = torch.tensor([_DTYPE_CODE[tensor.dtype], len(shape), *shape] + [0] * (_MAX_DIMS - len(shape)),
+                              dtype=torch.int64).to(self.device)
+        tensor = tensor.detach().contiguous()
+        messages = [(header, _HEADER_TAG)]
+        if expected == (tensor.dtype, shape):
+            messages.append((tensor, _PAYLOAD_TAG))
+        else:
+            if expected is not None:  # the receiver has posted a payload receive for the old dtype and shape
+                messages.append((torch.zeros(expected[1], dtype=expected[0], device=self.device), _PAYLOAD_TAG))
+            messages.append((tensor, _RESIZED_TAG))
+            self._expected[key] = (tensor.dtype, shape)
         peer = self.stage_ranks[action.peer]
         try:
-            works = [_posted(dist.isend(header, peer, group=self.group, tag=_HEADER_TAG)),
-                     _posted(dist.isend(payload, peer, group=self.group, tag=_TENSOR_TAG))]
+            works = [_posted(dist.isend(buffer, peer, group=self.group, tag=tag)) for buffer, tag in messages]
         except RuntimeError as error:
             raise self._error(action, "posting the send", error) from error
-        self._pending_sends.append((action, works, (header, payload)))
+        self._pending_sends.append((action, works, [buffer for buffer, _ in messages]))
 
     def recv(self, action: Action) -> tuple[torch.Tensor, float]:
         """Receive the tensor of ``action`` from its peer; also return when its header arrived (perf_counter)."""
-        if action in self._posted_headers:
-            header, work = self._posted_headers.pop(action)
-        else:
-            header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
-            work = self._irecv(header, action, _HEADER_TAG)
-        self._wait(work, action, "waiting for the header")
+        if action not in self._posted:  # not prefetched (NCCL): it is the next receive of its direction
+            self._post(self._unposted[action.type].popleft())
+        header, header_work, payload, payload_work = self._posted.pop(action)
+        self._wait(header_work, action, "waiting for the header")
         header_arrived = time.perf_counter()
+        self._post_ahead(action.type)
         code, ndim, *dims = header.tolist()
-        buffer = torch.empty(dims[:ndim], dtype=_DTYPES[code], device=self.device)
-        self._wait(self._irecv(buffer, action, _TENSOR_TAG), action, "receiving the tensor")
-        return buffer, header_arrived
+        dtype, shape = _DTYPES[code], dims[:ndim]
+        key = (action.peer, self.stage, action.microbatch)
+        if payload_work is not None:
+            self._wait(payload_work, action, "receiving the tensor")
+        if payload is None or self._expected[key] != (dtype, shape):
+            payload = torch.empty(shape, dtype=dtype, device=self.device)
+            self._wait(self._irecv(payload, action, _RESIZED_TAG), action, "receiving the resized tensor")
+            self._expected[key] = (dtype, shape)
+        return payload, header_arrived
 
     def wait_sends(self) -> None:
         """Wait until every posted send has left; called once per step so send buffers can be freed."""
@@ -110,6 +147,22 @@ class StageP2P:
             for work in works:
                 self._wait(work, action, "completing the send")
         self._pending_sends.clear()
+
+    def _post_ahead(self, kind: ActionType) -> None:
+        """Keep the receives of the next ``prefetch`` transfers of ``kind`` posted (in the order the peer sends)."""
+        queue = self._unposted[kind]
+        while queue and sum(a.type is kind for a in self._posted) < self._prefetch:
+            self._post(queue.popleft())
+
+    def _post(self, action: Action) -> None:
+        header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
+        header_work = self._irecv(header, action, _HEADER_TAG)
+        payload, payload_work = None, None
+        expected = self._expected.get((action.peer, self.stage, action.microbatch))
+        if expected is not None:
+            payload = torch.empty(expected[1], dtype=expected[0], device=self.device)
+            payload_work = self._irecv(payload, action, _PAYLOAD_TAG)
+        self._posted[action] = (header, header_work, payload, payload_work)
 
     def _irecv(self, buffer: torch.Tensor, action: Action, tag: int) -> dist.Work:
         try:

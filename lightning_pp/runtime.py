@@ -46,7 +46,7 @@ def run_stage(
         return time.perf_counter()
 
     if p2p is not None:
-        p2p.post_headers(actions)
+        p2p.start_step(actions)
     for action in actions:
         mb = action.microbatch
         start = clock() if timed else 0.0

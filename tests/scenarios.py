@@ -109,3 +109,39 @@ def with_callbacks(dirpath: str, timeout: float = 60, **strategy: Any) -> dict[s
     import models
 
     return models.with_callbacks(dirpath, PipelineParallelStrategy(timeout=timeout, **strategy), devices=WORLD_SIZE)
+
+
+def p2p_exchange(steps: list[list[tuple[str, list[int]]]], prefetch: int = 2) -> list[list[Any]]:
+    """Stage 0 sends each step's tensors (dtype, shape) forward, stage 1 sends them back; return what arrived."""
+    import torch
+    import torch.distributed as dist
+
+    from lightning_pp.p2p import StageP2P
+    from lightning_pp.schedules import Action, ActionType
+
+    stage = int(os.environ["LOCAL_RANK"])
+    dist.init_process_group("gloo", rank=stage, world_size=WORLD_SIZE)
+    p2p = StageP2P(stage, [0, 1], torch.device("cpu"), timeout=30, prefetch=prefetch)
+    received = []
+    try:
+        for step, tensors in enumerate(steps):
+            made = [torch.arange(torch.Size(shape).numel()).reshape(shape).to(getattr(torch, dtype)) + step
+                    for dtype, shape in tensors]
+            if stage == 0:
+                actions = [Action(0, ActionType.SEND_F, mb) for mb in range(len(made))]
+                actions += [Action(0, ActionType.RECV_B, mb) for mb in range(len(made))]
+            else:
+                actions = [Action(1, ActionType.RECV_F, mb) for mb in range(len(made))]
+                actions += [Action(1, ActionType.SEND_B, mb) for mb in range(len(made))]
+            p2p.start_step(actions)
+            arrived = []
+            for action in actions:
+                if action.is_send:
+                    p2p.send(made[action.microbatch], action)
+                else:
+                    arrived.append(p2p.recv(action)[0].clone())
+            p2p.wait_sends()
+            received.append(arrived)
+    finally:
+        dist.destroy_process_group()
+    return received
