@@ -42,8 +42,9 @@ class PipelineMonitor(pl.Callback):
     ``trainer.logger``:
 
     - ``pipeline/stage{s}/forward_ms``, ``backward_ms``: compute time of stage ``s`` in the step.
-    - ``pipeline/stage{s}/comm_wait_ms``: time blocked until the peer's message (its header) arrived.
-    - ``pipeline/stage{s}/comm_transfer_ms``: time moving tensors once the peer was there, and posting sends.
+    - ``pipeline/stage{s}/comm_wait_ms``: time blocked until the peer's header arrived, and waiting at the end of
+      the step for the last sends to leave.
+    - ``pipeline/stage{s}/comm_transfer_ms``: time receiving the tensor once its header was there, and posting sends.
     - ``pipeline/stage{s}/idle_ms``: the step's wall time minus compute minus communication (framework overhead).
     - ``pipeline/stage{s}/bubble_fraction``: share of the step's wall time stage ``s`` did not compute.
     - ``pipeline/bubble_fraction``: the same over all stages, the headline number.
@@ -57,6 +58,9 @@ class PipelineMonitor(pl.Callback):
     Without a logger, a per-stage summary table is printed at the end of ``fit``.
 
     Stage clocks are aligned once at the start of training after a barrier (offsets of a few tens of microseconds).
+    On CPU each action is timed with ``time.perf_counter``; on CUDA with events on the current stream, so the times
+    are those of the kernels, not of their launches (see :class:`lightning_pp.runtime.EventClock`; timing a step
+    costs two device synchronisations).
 
     Args:
         logging_interval: Measure and log every this many optimizer steps.

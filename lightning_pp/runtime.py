@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -11,11 +12,63 @@ from lightning_pp.p2p import StageP2P
 from lightning_pp.schedules import Action, ActionType
 from lightning_pp.simulate import BACKWARD, COMM_TRANSFER, COMM_WAIT, FORWARD, TimelineEvent
 
-__all__ = ["ForwardFn", "run_stage"]
+__all__ = ["EventClock", "ForwardFn", "HostClock", "run_stage", "step_clock"]
 
 # forward(microbatch, received activation or None on the first stage) -> the activation to send downstream, or on the
 # last stage the (already weighted) loss to back-propagate
 ForwardFn = Callable[[int, "torch.Tensor | None"], torch.Tensor]
+
+
+class HostClock:
+    """Timestamps of a stage whose work runs on the host as it is issued (CPU): ``time.perf_counter``."""
+
+    def now(self) -> Any:
+        return time.perf_counter()
+
+    def seconds(self, stamp: Any) -> float:
+        """A stamp from :meth:`now`, or a host ``perf_counter`` reading, as host seconds (call after the step)."""
+        return float(stamp)
+
+    def finish(self) -> None:
+        """Called once after the step, before :meth:`seconds`."""
+
+
+class EventClock(HostClock):
+    """Timestamps of an asynchronous device (CUDA): events recorded on the current stream, read once per step.
+
+    A host clock read would only time the launch of a kernel, and synchronising around every action would stop the
+    host from queueing work ahead and so change what is measured. Two synchronisations per timed step are needed
+    instead. The first, at construction, empties the device queue so that a reference event runs when it is recorded:
+    that ties device time to host time, and host-side stamps (when a header arrived) land on the same axis. The second,
+    in :meth:`finish`, waits for every recorded event so their times can be read.
+    """
+
+    def __init__(self, new_event: Callable[[], Any], synchronize: Callable[[], None]) -> None:
+        self._new_event = new_event
+        self._synchronize = synchronize
+        synchronize()
+        self._reference = self.now()
+        self._reference_host = time.perf_counter()
+
+    def now(self) -> Any:
+        event = self._new_event()
+        event.record()
+        return event
+
+    def seconds(self, stamp: Any) -> float:
+        if isinstance(stamp, float):  # a host reading
+            return stamp
+        return self._reference_host + self._reference.elapsed_time(stamp) / 1e3
+
+    def finish(self) -> None:
+        self._synchronize()
+
+
+def step_clock(device: torch.device) -> HostClock:
+    """The clock that times a step on ``device``."""
+    if device.type == "cuda":
+        return EventClock(lambda: torch.cuda.Event(enable_timing=True), lambda: torch.cuda.synchronize(device))
+    return HostClock()
 
 
 def run_stage(
@@ -26,31 +79,27 @@ def run_stage(
     is_last: bool,
     training: bool,
     events: list[TimelineEvent] | None = None,
-    synchronize: Callable[[], None] | None = None,
+    clock: HostClock | None = None,
 ) -> None:
-    """Run ``actions`` in order; append one timed event per action to ``events`` when it is a list.
+    """Run ``actions`` in order; with ``events`` (a list) and ``clock``, append one timed event per action.
 
     Activations, received tensors and gradients are dropped as soon as the last action that needs them has run, so a
-    stage holds only what its schedule keeps in flight. ``synchronize`` (for CUDA) is called before each clock read
-    while timing, so that an event covers the kernels it launched rather than just their launch.
+    stage holds only what its schedule keeps in flight.
     """
     inputs: dict[int, torch.Tensor] = {}  # received activations, kept for backward
     outputs: dict[int, torch.Tensor] = {}  # stage outputs (the weighted loss on the last stage)
     output_grads: dict[int, torch.Tensor] = {}  # received gradients w.r.t. this stage's outputs
     input_grads: dict[int, torch.Tensor] = {}  # gradients w.r.t. this stage's inputs, to send upstream
-    timed = events is not None
-
-    def clock() -> float:
-        if synchronize is not None:
-            synchronize()
-        return time.perf_counter()
+    # (action, category, start, header arrival or None, end) in clock stamps, turned into events after the step
+    stamps: list[tuple[Action, str, Any, Any, Any]] = []
+    timed = events is not None and clock is not None
 
     if p2p is not None:
         p2p.start_step(actions)
     for action in actions:
         mb = action.microbatch
-        start = clock() if timed else 0.0
-        header_arrived = 0.0
+        start = clock.now() if timed else None
+        header_arrived = None
         kind = action.type
         if kind is ActionType.FORWARD:
             output = forward(mb, inputs.get(mb))
@@ -83,18 +132,22 @@ def run_stage(
         else:  # RECV_B
             assert p2p is not None
             output_grads[mb], header_arrived = p2p.recv(action)
-        if events is not None:
-            end = clock()
-            if kind is ActionType.FORWARD or kind is ActionType.BACKWARD:
-                events.append(TimelineEvent(action.stage, action, FORWARD if kind is ActionType.FORWARD else BACKWARD,
-                                            start, end))
-            elif header_arrived:
-                events.append(TimelineEvent(action.stage, action, COMM_WAIT, start, header_arrived))
-                events.append(TimelineEvent(action.stage, action, COMM_TRANSFER, header_arrived, end))
-            else:
-                events.append(TimelineEvent(action.stage, action, COMM_TRANSFER, start, end))
+        if timed:
+            category = FORWARD if kind is ActionType.FORWARD else BACKWARD if kind is ActionType.BACKWARD else None
+            stamps.append((action, category or COMM_TRANSFER, start, header_arrived, clock.now()))
     if p2p is not None:
-        start = clock() if timed else 0.0
+        start = clock.now() if timed else None
         p2p.wait_sends()
-        if events is not None and actions:
-            events.append(TimelineEvent(actions[-1].stage, actions[-1], COMM_WAIT, start, clock()))
+        if timed and actions:
+            stamps.append((actions[-1], COMM_WAIT, start, None, clock.now()))
+    if timed:
+        clock.finish()
+        for action, category, start, header_arrived, end in stamps:
+            start_s = clock.seconds(start)
+            end_s = max(start_s, clock.seconds(end))
+            if header_arrived is not None:  # a receive: waiting for the peer, then moving the tensor
+                # clamped: on a device, the host may see the header before the stream reaches the receive
+                split = min(max(clock.seconds(header_arrived), start_s), end_s)
+                events.append(TimelineEvent(action.stage, action, COMM_WAIT, start_s, split))
+                start_s = split
+            events.append(TimelineEvent(action.stage, action, category, start_s, end_s))

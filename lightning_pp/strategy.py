@@ -35,7 +35,7 @@ from lightning_pp.errors import PipelineConfigError
 from lightning_pp.microbatch import merge_microbatches, split_batch
 from lightning_pp.p2p import StageP2P
 from lightning_pp.partition import stage_layer_ranges, uniform_balance, validate_balance
-from lightning_pp.runtime import run_stage
+from lightning_pp.runtime import run_stage, step_clock
 from lightning_pp.schedules import SCHEDULES, Schedule, build_schedule
 from lightning_pp.simulate import TimelineEvent
 
@@ -569,7 +569,7 @@ class PipelineParallelStrategy(ParallelStrategy):
                 is_last=last,
                 training=training,
                 events=events,
-                synchronize=torch.cuda.synchronize if self.root_device.type == "cuda" else None,
+                clock=step_clock(self.root_device) if events is not None else None,
             )
         if training:
             self._sum_replicated_grads()

@@ -219,7 +219,7 @@ def fp16_with_scaler() -> Any:
 
 
 def fit(model_name: str, strategy: Any = "auto", devices: int = 1, max_steps: int = 4,
-        batch_size: int = 8, ckpt_path: str | None = None, save_to: str | None = None,
+        batch_size: int = 8, ckpt_path: str | None = None, save_to: str | None = None, accelerator: str = "cpu",
         **trainer_kwargs: Any) -> tuple[L.LightningModule, RecordingLogger]:
     """Seed, build, train (resuming from ``ckpt_path``, saving to ``save_to``); the same call runs the
     single-device reference and each pipelined rank."""
@@ -227,7 +227,7 @@ def fit(model_name: str, strategy: Any = "auto", devices: int = 1, max_steps: in
     model = MODELS[model_name]()
     logger = RecordingLogger()
     trainer = L.Trainer(
-        accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps, logger=logger,
+        accelerator=accelerator, devices=devices, strategy=strategy, max_steps=max_steps, logger=logger,
         **{"log_every_n_steps": 1, "enable_checkpointing": False, "enable_progress_bar": False,
            "enable_model_summary": False, "num_sanity_val_steps": 0, **trainer_kwargs},
     )  # fmt: skip
