@@ -548,7 +548,7 @@ class PipelineParallelStrategy(ParallelStrategy):
                     f"the loss tensor or a dict with a 'loss' tensor (skipping a step by returning None is not "
                     f"supported)."
                 )
-            outputs[mb] = float(loss.detach())
+            outputs[mb] = loss.detach()  # read once after the step: a read per micro-batch would stall a GPU
             return scaler.scale(loss * weights[mb]) if scaler is not None else loss * weights[mb]
 
         schedule = self._schedule(len(microbatches), forward_only=not training)
@@ -582,7 +582,9 @@ class PipelineParallelStrategy(ParallelStrategy):
         if last:
             records = self._log_recorder.combine(sizes)
             if training:
-                result = sum(outputs[mb] * sizes[mb] for mb in outputs) / total
+                order = sorted(outputs)
+                losses = torch.stack([outputs[mb] for mb in order]).double().tolist()
+                result = sum(loss * sizes[mb] for loss, mb in zip(losses, order, strict=True)) / total
             else:
                 result = move_data_to_device(merge_microbatches([outputs[mb] for mb in sorted(outputs)], sizes),
                                              torch.device("cpu"))
