@@ -314,6 +314,9 @@ def worker_main(kind: str, spec_path: str, out_dir: str) -> None:
     if kind == "torch":
         import torch.distributed as dist
 
+        if os.environ.get("EXP_MALLOC"):
+            from lightning_pp._allocator import keep_freed_cpu_memory
+            keep_freed_cpu_memory()
         dist.init_process_group("gloo", rank=rank, world_size=world)
     results: list[dict[str, Any]] = []
     try:

@@ -70,16 +70,21 @@ class StageP2P:
         stage_ranks: Sequence[int],
         device: torch.device,
         timeout: float,
-        group: Any = None,
+        groups: tuple[Any, Any] = (None, None),
         prefetch: int = 2,
     ) -> None:
         self.stage = stage
         self.stage_ranks = list(stage_ranks)
         self.device = device
         self.timeout = timeout
-        self.group = group
+        # activations and gradients travel in separate process groups, i.e. separate connections: on one gloo TCP
+        # connection, two stages sending to each other at once stall for milliseconds now and then; on NCCL the two
+        # directions get their own streams and do not wait for each other
+        self.groups = groups
+        self._group = {ActionType.SEND_F: groups[0], ActionType.RECV_F: groups[0],
+                       ActionType.SEND_B: groups[1], ActionType.RECV_B: groups[1]}
         # NCCL's Work.wait does not block the host, so bound its wait by polling; gloo's wait takes a timeout itself
-        self._poll = dist.get_backend(group) != "gloo"
+        self._poll = dist.get_backend(groups[0]) != "gloo"
         self._prefetch = 0 if self._poll else prefetch
         # (source stage, destination stage, micro-batch) -> (dtype, shape) of the last transfer; both ends agree
         self._expected: dict[tuple[int, int, int], tuple[torch.dtype, list[int]]] = {}
@@ -117,7 +122,8 @@ class StageP2P:
             self._expected[key] = (tensor.dtype, shape)
         peer = self.stage_ranks[action.peer]
         try:
-            works = [_posted(dist.isend(buffer, peer, group=self.group, tag=tag)) for buffer, tag in messages]
+            works = [_posted(dist.isend(buffer, peer, group=self._group[action.type], tag=tag))
+                     for buffer, tag in messages]
         except RuntimeError as error:
             raise self._error(action, "posting the send", error) from error
         self._pending_sends.append((action, works, [buffer for buffer, _ in messages]))
@@ -166,7 +172,7 @@ class StageP2P:
 
     def _irecv(self, buffer: torch.Tensor, action: Action, tag: int) -> dist.Work:
         try:
-            return _posted(dist.irecv(buffer, self.stage_ranks[action.peer], group=self.group, tag=tag))
+            return _posted(dist.irecv(buffer, self.stage_ranks[action.peer], group=self._group[action.type], tag=tag))
         except RuntimeError as error:
             raise self._error(action, "posting the receive", error) from error
 

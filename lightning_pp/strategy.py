@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_pp import _compat
+from lightning_pp._allocator import keep_freed_cpu_memory
 from lightning_pp._logs import LogRecord, LogRecorder, replay
 from lightning_pp.checkpoint import NAMES_KEY, indexed_to_named, load_named, merge_named, named_state, named_to_indexed
 from lightning_pp.errors import PipelineConfigError
@@ -205,6 +206,9 @@ class PipelineParallelStrategy(ParallelStrategy):
             plain single-device Lightning loads; ``"sharded"`` writes a folder with one file per stage (nothing is
             gathered). Both resume on any number of stages, as do single-device checkpoints.
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default chosen from the device.
+        reuse_cpu_memory: On CPU (Linux, glibc), keep freed memory in each stage's process instead of returning it to
+            the operating system, so the buffers of every micro-batch reuse pages rather than page-faulting fresh ones
+            in (about a quarter of the compute time of a 1024-wide MLP stage). The process keeps its peak memory.
 
     Raises:
         PipelineConfigError: for an unknown schedule, ``microbatches < 1``, a bad ``balance``, a world size that does
@@ -228,6 +232,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         timeout: float = 300.0,
         checkpoint_format: str = "full",
         process_group_backend: str | None = None,
+        reuse_cpu_memory: bool = True,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -268,6 +273,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._balance = list(balance) if balance is not None else None
         self.timeout = float(timeout)
         self._process_group_backend = process_group_backend
+        self._reuse_cpu_memory = reuse_cpu_memory
         self._num_nodes = 1
         self._stage_module: _StageSequential | None = None
         self._replicated: list[nn.Parameter] = []
@@ -341,6 +347,8 @@ class PipelineParallelStrategy(ParallelStrategy):
                 f"{self.num_stages} layer counts."
             )
         super().setup_environment()
+        if self._reuse_cpu_memory and self.root_device.type == "cpu":
+            keep_freed_cpu_memory()
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_stages)
@@ -383,7 +391,10 @@ class PipelineParallelStrategy(ParallelStrategy):
             _AGREEING_SCALERS.add(scaler)
         if trainer.state.fn == TrainerFn.FITTING:
             _compat._optimizers_to_device(self.optimizers, self.root_device)
-        self._p2p = StageP2P(self.stage, list(range(self.num_stages)), self.root_device, self.timeout)
+        if self.num_stages > 1:
+            # one group for activations, one for gradients (see StageP2P); new_group is collective: every rank calls it
+            groups = (self._new_group(), self._new_group())
+            self._p2p = StageP2P(self.stage, list(range(self.num_stages)), self.root_device, self.timeout, groups)
 
     @override
     def model_to_device(self) -> None:
@@ -798,8 +809,14 @@ class PipelineParallelStrategy(ParallelStrategy):
         order = self._stage_module.full_param_order
         return [sorted({n for part in parts for n in part[g]}, key=lambda n: order[n]) for g in range(len(local))]
 
+    def _new_group(self) -> Any:
+        return dist.new_group(backend=self._process_group_backend, timeout=timedelta(seconds=self.timeout))
+
     @override
     def teardown(self) -> None:
+        if self._p2p is not None and dist.is_initialized():
+            for group in self._p2p.groups:
+                dist.destroy_process_group(group)
         self._p2p = None
         super().teardown()
 

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import subprocess
+import sys
 import time
-from typing import Any
 
+import pytest
 import torch
 
 from lightning_pp.runtime import EventClock, HostClock, run_stage
@@ -55,3 +57,30 @@ def test_event_clock_synchronises_twice_and_maps_device_time_to_host_time() -> N
     # the reference event's lag cancels: times land on the host axis, inside the step, and keep device durations
     assert before <= events[0].start and events[-1].end <= synchronisations[-1]
     assert all(e.duration >= 0.02 for e in events if e.category == FORWARD)
+
+
+FAULTS_PER_REALLOCATION = """
+import resource, sys, torch
+from lightning_pp._allocator import keep_freed_cpu_memory
+if sys.argv[1] == "keep":
+    assert keep_freed_cpu_memory()
+def faults():
+    return resource.getrusage(resource.RUSAGE_SELF).ru_minflt
+for _ in range(3):  # what a micro-batch does: allocate weight-gradient-sized buffers, then free them
+    [torch.ones(1024, 1024) for _ in range(4)]
+before = faults()
+for _ in range(20):
+    [torch.ones(1024, 1024) for _ in range(4)]
+print((faults() - before) / 20)
+"""
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
+def test_keeping_freed_cpu_memory_stops_page_faults_on_reallocation() -> None:
+    def faults(mode: str) -> float:
+        run = subprocess.run([sys.executable, "-c", FAULTS_PER_REALLOCATION, mode], capture_output=True, text=True,
+                             check=True, timeout=60)
+        return float(run.stdout.split()[-1])
+
+    assert faults("default") > 1000  # 4 x 4 MiB returned to the kernel and faulted back in, every time
+    assert faults("keep") < 50
