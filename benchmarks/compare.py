@@ -59,6 +59,13 @@ from typing import Any
 
 NUM_LAYERS = 8
 NUM_STAGES = 2
+RUNNER_LABELS = {  # --runners name -> label in the table
+    "single": "single process",
+    "torch": "torch.distributed.pipelining",
+    "torch_kept": "torch.distributed.pipelining + freed memory kept",
+    "lightning": "lightning_pp",
+}
+PIPELINE_RUNNERS = ("torch", "torch_kept", "lightning")
 MICROBATCHES = 8
 BATCH = 128
 LR = 0.01
@@ -311,11 +318,12 @@ def worker_main(kind: str, spec_path: str, out_dir: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    if kind == "torch":
+    if kind.startswith("torch"):
         import torch.distributed as dist
 
-        if os.environ.get("EXP_MALLOC"):
+        if kind == "torch_kept":
             from lightning_pp._allocator import keep_freed_cpu_memory
+
             keep_freed_cpu_memory()
         dist.init_process_group("gloo", rank=rank, world_size=world)
     results: list[dict[str, Any]] = []
@@ -323,14 +331,14 @@ def worker_main(kind: str, spec_path: str, out_dir: str) -> None:
         for run in spec["runs"]:
             if kind == "single":
                 results.append(worker_single(run))
-            elif kind == "torch":
+            elif kind.startswith("torch"):
                 results.append(worker_torch(run, rank, world))
                 dist.barrier()
             else:
                 results.append(worker_lightning(run, rank))
             Path(out_dir, f"{kind}_rank{rank}.json").write_text(json.dumps(results))  # partial results survive
     finally:
-        if kind == "torch":
+        if kind.startswith("torch"):
             dist.destroy_process_group()
 
 
@@ -400,9 +408,11 @@ def fmt_mib(values: list[int | None]) -> str:
     return " / ".join(f"{v / 2**20:.1f}" for v in values if v is not None) + " MiB"
 
 
-def build_rows(args: argparse.Namespace, single: list[list[dict[str, Any]]], torch_res: list[list[dict[str, Any]]],
-               light: list[list[dict[str, Any]]], configs: list[tuple[int, str]]) -> list[dict[str, Any]]:
+def build_rows(args: argparse.Namespace, pooled: dict[str, list[list[dict[str, Any]]]],
+               configs: list[tuple[int, str]]) -> list[dict[str, Any]]:
     p, m = NUM_STAGES, MICROBATCHES
+    single = pooled["single"]
+    pipelines = [(RUNNER_LABELS[kind], pooled[kind]) for kind in PIPELINE_RUNNERS]
     rows: list[dict[str, Any]] = []
 
     def get(per_rank: list[list[dict[str, Any]]], rank: int, index: int) -> dict[str, Any] | None:
@@ -422,11 +432,11 @@ def build_rows(args: argparse.Namespace, single: list[list[dict[str, Any]]], tor
         })
     for i, (hidden, schedule) in enumerate(configs):
         runner_stats: dict[str, dict[str, float] | None] = {}
-        for name, per_rank in (("torch.distributed.pipelining", torch_res), ("lightning_pp", light)):
+        for name, per_rank in pipelines:
             res0 = get(per_rank, 0, i)
             runner_stats[name] = summarize(res0["times"], args.warmup) if res0 and res0["times"] else None
-        torch_median = runner_stats["torch.distributed.pipelining"]
-        for name, per_rank in (("torch.distributed.pipelining", torch_res), ("lightning_pp", light)):
+        torch_median = runner_stats[RUNNER_LABELS["torch"]]
+        for name, per_rank in pipelines:
             if not per_rank:  # runner not selected with --runners
                 continue
             stats = runner_stats[name]
@@ -474,14 +484,14 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per run (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the statistics (default 3)")
     parser.add_argument("--monitor-steps", type=int, default=8, help="steps of the PipelineMonitor run (default 8)")
-    parser.add_argument("--runners", nargs="+", default=["single", "torch", "lightning"],
-                        choices=["single", "torch", "lightning"], help="which runners to measure (default all)")
+    parser.add_argument("--runners", nargs="+", default=list(RUNNER_LABELS), choices=list(RUNNER_LABELS),
+                        help="which runners to measure (default all)")
     parser.add_argument("--repeats", type=int, default=1,
                         help="repeat every measurement (timed steps are pooled; default 1)")
     parser.add_argument("--quick", action="store_true", help="10 steps, 2 warm-up, 5 monitor steps")
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per launched job before it is killed")
     parser.add_argument("--out", type=Path, default=RESULTS_DIR, help="folder for compare.md and compare.json")
-    parser.add_argument("--worker", choices=["single", "torch", "lightning"], help=argparse.SUPPRESS)
+    parser.add_argument("--worker", choices=list(RUNNER_LABELS), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.quick:
@@ -526,12 +536,12 @@ def main(argv: list[str] | None = None) -> None:
     common = {"steps": args.steps, "warmup": args.warmup, "monitor_steps": args.monitor_steps}
     single_runs = [{"hidden": h, **common} for h in args.hidden]
     pipe_runs = [{"hidden": h, "schedule": s, **common} for h, s in configs]
-    collected: dict[str, list[list[list[dict[str, Any]]]]] = {"single": [], "torch": [], "lightning": []}
+    collected: dict[str, list[list[list[dict[str, Any]]]]] = {kind: [] for kind in RUNNER_LABELS}
     with tempfile.TemporaryDirectory(prefix="lpp_compare_") as tmp_name:
         tmp = Path(tmp_name)
         for repeat in range(args.repeats):
-            for kind, runs, world in (("single", single_runs, 1), ("torch", pipe_runs, NUM_STAGES),
-                                      ("lightning", pipe_runs, NUM_STAGES)):
+            for kind in RUNNER_LABELS:
+                runs, world = (single_runs, 1) if kind == "single" else (pipe_runs, NUM_STAGES)
                 if kind not in args.runners:
                     continue
                 t0 = time.perf_counter()
@@ -549,7 +559,7 @@ def main(argv: list[str] | None = None) -> None:
                 collected[kind].append(per_rank)
                 print(f"    done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     pooled = {kind: pool(reps) if reps else [] for kind, reps in collected.items()}
-    rows = build_rows(args, pooled["single"], pooled["torch"], pooled["lightning"], configs)
+    rows = build_rows(args, pooled, configs)
     table = markdown(rows)
     elapsed = time.perf_counter() - started
     print(table)
