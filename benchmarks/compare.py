@@ -9,7 +9,10 @@ against a random target, SGD; hidden sizes ``--hidden``, schedules ``--schedules
 2. **torch.distributed.pipelining**: the same layers split by hand (first 4 blocks on rank 0, last 4 on rank 1),
    ``PipelineStage`` + ``ScheduleGPipe``/``Schedule1F1B`` with ``n_microbatches=8, loss_fn=mse``, in a plain loop
    (``schedule.step`` then ``optimizer.step``/``zero_grad``) in two processes over gloo.
-3. **single process**: the whole model in one process, plain PyTorch loop over the whole batch (no micro-batches).
+3. **torch.distributed.pipelining + freed memory kept**: the same, with glibc told to keep freed memory in the process
+   (what ``PipelineParallelStrategy(reuse_cpu_memory=True)``, the default, does on CPU), to show how much of the
+   difference is the allocator.
+4. **single process**: the whole model in one process, plain PyTorch loop over the whole batch (no micro-batches).
 
 Every process runs with one thread (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``); the multi-process runs are
 launched as two subprocesses the way torchrun would (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``,
