@@ -2,13 +2,17 @@
 
 Run ``python benchmarks/compare.py`` (with ``PYTHONPATH`` pointing at the repository root, or the package installed).
 One invocation measures, for every configuration (an MLP of 8 blocks ``Linear(H, H) + GELU``, batch 128, MSE loss
-against a random target, SGD; hidden sizes ``--hidden``, schedules ``--schedules``, 2 stages, 8 micro-batches):
+against a random target, SGD; hidden sizes ``--hidden``; and, unless ``--no-gpt``, the GPT-style module of
+``examples/train_gpt.py`` with 8 blocks of width 256, 4 heads, sequences of 64 random tokens, batch 32, AdamW;
+schedules ``--schedules``, 2 stages, 8 micro-batches):
 
 1. **lightning_pp**: the LightningModule trained by ``L.Trainer(accelerator="cpu", devices=2,
    strategy=PipelineParallelStrategy(schedule=..., microbatches=8), max_steps=N)`` in two processes.
 2. **torch.distributed.pipelining**: the same layers split by hand (first 4 blocks on rank 0, last 4 on rank 1),
    ``PipelineStage`` + ``ScheduleGPipe``/``Schedule1F1B`` with ``n_microbatches=8, loss_fn=mse``, in a plain loop
    (``schedule.step`` then ``optimizer.step``/``zero_grad``) in two processes over gloo.
+   Not for the GPT: its head is tied to the token embedding, one weight on the first and the last stage, which
+   ``PipelineStage`` cannot express.
 3. **torch.distributed.pipelining + freed memory kept**: the same, with glibc told to keep freed memory in the process
    (what ``PipelineParallelStrategy(reuse_cpu_memory=True)``, the default, does on CPU), to show how much of the
    difference is the allocator.
@@ -62,6 +66,7 @@ from typing import Any
 
 NUM_LAYERS = 8
 NUM_STAGES = 2
+GPT_DIM, GPT_HEADS, GPT_BLOCK, GPT_VOCAB, GPT_BATCH = 256, 4, 64, 64, 32
 RUNNER_LABELS = {  # --runners name -> label in the table
     "single": "single process",
     "torch": "torch.distributed.pipelining",
@@ -86,6 +91,31 @@ def make_layers(hidden: int) -> Any:
 
     torch.manual_seed(0)
     return nn.Sequential(*[nn.Sequential(nn.Linear(hidden, hidden), nn.GELU()) for _ in range(NUM_LAYERS)])
+
+
+def make_gpt() -> Any:
+    """The GPT-style LightningModule of examples/train_gpt.py (head tied to the token embedding), benchmark-sized."""
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "examples"))
+    import train_gpt
+
+    torch.manual_seed(0)
+    return train_gpt.GPT(vocab_size=GPT_VOCAB, block_size=GPT_BLOCK, dim=GPT_DIM, layers=NUM_LAYERS, heads=GPT_HEADS)
+
+
+def make_tokens(steps: int) -> Any:
+    """``steps`` batches of random token sequences (inputs and next-token targets), one row per sample."""
+    import torch
+
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(0, GPT_VOCAB, (steps * GPT_BATCH, GPT_BLOCK + 1), generator=gen)
+
+
+def model_label(model: str, hidden: int) -> str:
+    if model == "gpt":
+        return f"GPT {NUM_LAYERS}x{hidden} (example)"
+    return f"MLP {NUM_LAYERS}x{hidden}"
 
 
 def make_batches(hidden: int, steps: int) -> list[tuple[Any, Any]]:
@@ -173,20 +203,32 @@ def worker_single(run: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
-    layers = make_layers(run["hidden"])
-    opt = torch.optim.SGD(layers.parameters(), lr=LR)
-    batches = make_batches(run["hidden"], run["steps"])
-    meter = SavedTensorMeter(param_ptrs(layers))
+    model: Any
+    if run["model"] == "gpt":
+        model = make_gpt()
+        opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
+        batches: list[Any] = list(make_tokens(run["steps"]).split(GPT_BATCH))
+
+        def loss_of(tokens: Any) -> Any:
+            logits = model(tokens[:, :-1])
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+    else:
+        model = make_layers(run["hidden"])
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        batches = make_batches(run["hidden"], run["steps"])
+
+        def loss_of(batch: Any) -> Any:
+            return F.mse_loss(model(batch[0]), batch[1])
+
+    meter = SavedTensorMeter(param_ptrs(model))
     times: list[float] = []
-    for i, (x, y) in enumerate(batches):
+    for i, batch in enumerate(batches):
         start = time.perf_counter()
         if i == run["warmup"]:
             with meter.measure():
-                loss = F.mse_loss(layers(x), y)
-                loss.backward()
+                loss_of(batch).backward()
         else:
-            loss = F.mse_loss(layers(x), y)
-            loss.backward()
+            loss_of(batch).backward()
         opt.step()
         opt.zero_grad()
         if i != run["warmup"]:  # the metered step pays for the hooks
@@ -199,6 +241,8 @@ def worker_torch(run: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     import torch.nn.functional as F
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
+    if run["model"] == "gpt":  # PipelineStage cannot share the tied embedding/head weight between stages
+        return {"times": [], "peak_saved_bytes": None}
     layers = make_layers(run["hidden"])
     per_stage = NUM_LAYERS // world
     submodule = layers[rank * per_stage:(rank + 1) * per_stage]
@@ -291,15 +335,21 @@ def worker_lightning(run: dict[str, Any], rank: int) -> dict[str, Any]:
                 self._ctx = None
 
     def fit(steps: int, callbacks: list[Callback]) -> None:
-        batches = make_batches(hidden, steps)
-        data = TensorDataset(torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))
+        module: L.LightningModule
+        if run["model"] == "gpt":
+            module, data, batch = make_gpt(), make_tokens(steps), GPT_BATCH
+        else:
+            batches = make_batches(hidden, steps)
+            module = MLP()
+            data = TensorDataset(torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))
+            batch = BATCH
         trainer = L.Trainer(
             accelerator="cpu", devices=NUM_STAGES,
             strategy=PipelineParallelStrategy(schedule=run["schedule"], microbatches=MICROBATCHES),
             max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
             enable_model_summary=False, callbacks=callbacks,
         )
-        trainer.fit(MLP(), DataLoader(data, batch_size=BATCH, shuffle=False))
+        trainer.fit(module, DataLoader(data, batch_size=batch, shuffle=False))
 
     timer = StepTimer()
     fit(run["steps"], [timer])
@@ -412,7 +462,7 @@ def fmt_mib(values: list[int | None]) -> str:
 
 
 def build_rows(args: argparse.Namespace, pooled: dict[str, list[list[dict[str, Any]]]],
-               configs: list[tuple[int, str]]) -> list[dict[str, Any]]:
+               models: list[tuple[str, int]], configs: list[tuple[str, int, str]]) -> list[dict[str, Any]]:
     p, m = NUM_STAGES, MICROBATCHES
     single = pooled["single"]
     pipelines = [(RUNNER_LABELS[kind], pooled[kind]) for kind in PIPELINE_RUNNERS]
@@ -422,18 +472,18 @@ def build_rows(args: argparse.Namespace, pooled: dict[str, list[list[dict[str, A
         return per_rank[rank][index] if rank < len(per_rank) and index < len(per_rank[rank]) else None
 
     t_single: dict[int, float] = {}
-    for i, hidden in enumerate(args.hidden if single else []):
+    for i, (model, hidden) in enumerate(models if single else []):
         res = get(single, 0, i)
         stats = summarize(res["times"], args.warmup) if res else None
         if stats:
-            t_single[hidden] = stats["median"]
+            t_single[model_label(model, hidden)] = stats["median"]
         rows.append({
-            "model": f"MLP {NUM_LAYERS}x{hidden}", "hidden": hidden, "schedule": "-", "stages": 1, "microbatches": 1,
+            "model": model_label(model, hidden), "hidden": hidden, "schedule": "-", "stages": 1, "microbatches": 1,
             "runner": "single process", "step_s": stats, "ratio_to_torch": None, "efficiency": None,
             "bubble_fraction": None, "peak_saved_bytes": [res["peak_saved_bytes"]] if res else [None],
             "overhead_per_microbatch_ms": None,
         })
-    for i, (hidden, schedule) in enumerate(configs):
+    for i, (model, hidden, schedule) in enumerate(configs):
         runner_stats: dict[str, dict[str, float] | None] = {}
         for name, per_rank in pipelines:
             res0 = get(per_rank, 0, i)
@@ -442,14 +492,16 @@ def build_rows(args: argparse.Namespace, pooled: dict[str, list[list[dict[str, A
         for name, per_rank in pipelines:
             if not per_rank:  # runner not selected with --runners
                 continue
+            if model == "gpt" and name != RUNNER_LABELS["lightning"]:  # see worker_torch
+                continue
             stats = runner_stats[name]
             res0 = get(per_rank, 0, i)
-            ts = t_single.get(hidden)
+            ts = t_single.get(model_label(model, hidden))
             ideal = ts * (m + p - 1) / (m * p) if ts is not None else None
             bubbles = res0.get("bubble_fractions") if res0 else None
             kept_bubbles = (bubbles[args.warmup:] or bubbles) if bubbles else None
             rows.append({
-                "model": f"MLP {NUM_LAYERS}x{hidden}", "hidden": hidden, "schedule": schedule, "stages": p,
+                "model": model_label(model, hidden), "hidden": hidden, "schedule": schedule, "stages": p,
                 "microbatches": m, "runner": name, "step_s": stats,
                 "ratio_to_torch": stats["median"] / torch_median["median"] if stats and torch_median else None,
                 "efficiency": ideal / stats["median"] if stats and ideal else None,
@@ -482,7 +534,10 @@ def markdown(rows: list[dict[str, Any]]) -> str:
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
-    parser.add_argument("--hidden", type=int, nargs="+", default=[512, 1024], help="hidden sizes (default 512 1024)")
+    parser.add_argument("--hidden", type=int, nargs="+", default=[512, 1024],
+                        help="MLP hidden sizes (default 512 1024)")
+    parser.add_argument("--gpt", action=argparse.BooleanOptionalAction, default=True,
+                        help="also measure the GPT-style example model (default on)")
     parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"], choices=["gpipe", "1f1b"])
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per run (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the statistics (default 3)")
@@ -535,10 +590,11 @@ def main(argv: list[str] | None = None) -> None:
     if load_before > 0.5:
         print(f"warning: 1-minute load average is {load_before:.2f} before starting; other processes compete for the "
               f"{os.cpu_count()} cores and will inflate the times", file=sys.stderr)
-    configs = [(h, s) for h in args.hidden for s in args.schedules]
+    models = [("mlp", h) for h in args.hidden] + ([("gpt", GPT_DIM)] if args.gpt else [])
+    configs = [(model, h, s) for model, h in models for s in args.schedules]
     common = {"steps": args.steps, "warmup": args.warmup, "monitor_steps": args.monitor_steps}
-    single_runs = [{"hidden": h, **common} for h in args.hidden]
-    pipe_runs = [{"hidden": h, "schedule": s, **common} for h, s in configs]
+    single_runs = [{"model": model, "hidden": h, **common} for model, h in models]
+    pipe_runs = [{"model": model, "hidden": h, "schedule": s, **common} for model, h, s in configs]
     collected: dict[str, list[list[list[dict[str, Any]]]]] = {kind: [] for kind in RUNNER_LABELS}
     with tempfile.TemporaryDirectory(prefix="lpp_compare_") as tmp_name:
         tmp = Path(tmp_name)
@@ -562,7 +618,7 @@ def main(argv: list[str] | None = None) -> None:
                 collected[kind].append(per_rank)
                 print(f"    done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     pooled = {kind: pool(reps) if reps else [] for kind, reps in collected.items()}
-    rows = build_rows(args, pooled, configs)
+    rows = build_rows(args, pooled, models, configs)
     table = markdown(rows)
     elapsed = time.perf_counter() - started
     print(table)
