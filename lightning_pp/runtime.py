@@ -10,7 +10,7 @@ import torch
 
 from lightning_pp.p2p import StageP2P
 from lightning_pp.schedules import Action, ActionType
-from lightning_pp.simulate import BACKWARD, COMM_TRANSFER, COMM_WAIT, FORWARD, TimelineEvent
+from lightning_pp.simulate import CATEGORY_OF, COMM_TRANSFER, COMM_WAIT, TimelineEvent
 
 __all__ = ["EventClock", "ForwardFn", "HostClock", "run_stage", "step_clock"]
 
@@ -133,8 +133,7 @@ def run_stage(
             assert p2p is not None
             output_grads[mb], header_arrived = p2p.recv(action)
         if timed:
-            category = FORWARD if kind is ActionType.FORWARD else BACKWARD if kind is ActionType.BACKWARD else None
-            stamps.append((action, category or COMM_TRANSFER, start, header_arrived, clock.now()))
+            stamps.append((action, CATEGORY_OF.get(kind, COMM_TRANSFER), start, header_arrived, clock.now()))
     if p2p is not None:
         start = clock.now() if timed else None
         p2p.wait_sends()
