@@ -1,49 +1,57 @@
-"""Compare lightning_pp with torch.distributed.pipelining and a single process, on CPU.
+"""Compare lightning_pp with torch.distributed.pipelining and a single process, on CPU (gloo) or GPUs (NCCL).
 
 Run ``python benchmarks/compare.py`` (with ``PYTHONPATH`` pointing at the repository root, or the package installed).
 One invocation measures, for every configuration (an MLP of 8 blocks ``Linear(H, H) + GELU``, batch 128, MSE loss
 against a random target, SGD; hidden sizes ``--hidden``; and, unless ``--no-gpt``, the GPT-style module of
 ``examples/train_gpt.py`` with 8 blocks of width 256, 4 heads, sequences of 64 random tokens, batch 32, AdamW;
-schedules ``--schedules``, 2 stages, 8 micro-batches):
+schedules ``--schedules``; ``--stages`` stages, 8 micro-batches):
 
-1. **lightning_pp**: the LightningModule trained by ``L.Trainer(accelerator="cpu", devices=2,
-   strategy=PipelineParallelStrategy(schedule=..., microbatches=8), max_steps=N)`` in two processes.
-2. **torch.distributed.pipelining**: the same layers split by hand (first 4 blocks on rank 0, last 4 on rank 1),
+1. **lightning_pp**: the LightningModule trained by ``L.Trainer(accelerator=..., devices=p,
+   strategy=PipelineParallelStrategy(schedule=..., microbatches=8), max_steps=N)`` in ``p`` processes.
+2. **torch.distributed.pipelining**: the same layers split by hand (``8 / p`` consecutive blocks per rank),
    ``PipelineStage`` + ``ScheduleGPipe``/``Schedule1F1B`` with ``n_microbatches=8, loss_fn=mse``, in a plain loop
-   (``schedule.step`` then ``optimizer.step``/``zero_grad``) in two processes over gloo.
+   (``schedule.step`` then ``optimizer.step``/``zero_grad``) in ``p`` processes.
    Not for the GPT: its head is tied to the token embedding, one weight on the first and the last stage, which
    ``PipelineStage`` cannot express.
-3. **torch.distributed.pipelining + freed memory kept**: the same, with glibc told to keep freed memory in the process
-   (what ``PipelineParallelStrategy(reuse_cpu_memory=True)``, the default, does on CPU), to show how much of the
-   difference is the allocator.
+3. **torch.distributed.pipelining + freed memory kept** (CPU only): the same, with glibc told to keep freed memory in
+   the process (what ``PipelineParallelStrategy(reuse_cpu_memory=True)``, the default, does on CPU), to show how much
+   of the difference is the allocator.
 4. **single process**: the whole model in one process, plain PyTorch loop over the whole batch (no micro-batches).
 
-Every process runs with one thread (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``); the multi-process runs are
-launched as two subprocesses the way torchrun would (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``,
-``LOCAL_RANK``, ``NODE_RANK``); Lightning sees an external launcher because ``LOCAL_RANK`` is set.
+``--device`` picks where: ``cpu`` runs every process with one thread (``OMP_NUM_THREADS=1``,
+``torch.set_num_threads(1)``) over gloo; ``cuda`` gives rank ``r`` GPU ``r`` and uses NCCL (the single process runs
+on GPU 0). The default is ``cuda`` when at least 2 GPUs are visible, else ``cpu``. The default stage counts are 2,
+and 4 where the machine has 4 cores (CPU: one per process) or 4 GPUs. The multi-process runs are launched as
+subprocesses the way torchrun would (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``,
+``NODE_RANK``); Lightning sees an external launcher because ``LOCAL_RANK`` is set.
 
 Definitions (``p`` stages, ``m`` micro-batches, ``T_single`` the single-process median step time):
 
 - **step time**: wall time of one optimizer step on rank 0 (first stage, which finishes last in both schedules), from
-  the start of the step to the end of ``optimizer.step``/``zero_grad``. For lightning_pp: a Callback's
-  ``on_train_batch_start`` to ``on_train_batch_end`` (``time.perf_counter``); for torch: around
-  ``schedule.step`` + ``optimizer.step`` + ``zero_grad``. Reported: median over the steps after the first
-  ``--warmup`` (default 3), with min-max.
+  the start of the step to the end of ``optimizer.step``/``zero_grad`` (on GPU, after ``torch.cuda.synchronize``).
+  For lightning_pp: a Callback's ``on_train_batch_start`` to ``on_train_batch_end`` (``time.perf_counter``); for
+  torch: around ``schedule.step`` + ``optimizer.step`` + ``zero_grad``. Reported: median over the steps after the
+  first ``--warmup`` (default 3) of every launch, with min-max.
 - **ratio to torch**: median step of the runner / median step of torch.distributed.pipelining, same schedule.
 - **ideal**: ``T_single * (m + p - 1) / (m * p)``, the step time of a perfect ``p``-way split of the work with the
   unavoidable fill/drain bubble of ``p - 1`` micro-batch slots and no other cost.
 - **efficiency**: ``ideal / median step`` (1.0 = only the schedule's bubble is paid).
-- **overhead per micro-batch**: ``(median step - T_single / p * (m + p - 1) / m) / m``, which equals
-  ``(median step - ideal) / m``: everything beyond the ideal pipelined step (communication, framework code, the
-  cost of smaller matmuls on micro-batches), spread over the micro-batches, in milliseconds.
+- **overhead per micro-batch**: ``(median step - ideal) / m``: everything beyond the ideal pipelined step
+  (communication, framework code, the cost of smaller matmuls on micro-batches), spread over the micro-batches, in
+  milliseconds.
 - **measured bubble**: ``pipeline/bubble_fraction`` of :class:`lightning_pp.PipelineMonitor` (share of the step's
   wall time the stages did not compute), median over a separate short run with ``logging_interval=1`` (that run is
   not used for step times, as timing every action costs a little). lightning_pp only.
-- **peak activation memory per stage**: on CPU there is no allocator peak to read, so this counts the bytes of
-  tensors saved for backward. During one step (after warm-up), ``torch.autograd.graph.saved_tensors_hooks`` records
-  every saved tensor; its storage is counted once (deduplicated by storage pointer) while any saved reference to it
-  is alive, parameters (and views of them) excluded. The peak of that live total over the step is reported per stage.
-  Measured the same way for all three runners (for lightning_pp in the monitor run).
+- **peak activation memory per stage**, measured over one step after warm-up, the same way for all runners (for
+  lightning_pp in the monitor run):
+
+  - CPU has no allocator peak to read, so this counts the bytes of tensors saved for backward:
+    ``torch.autograd.graph.saved_tensors_hooks`` records every saved tensor; its storage is counted once
+    (deduplicated by storage pointer) while any saved reference to it is alive, parameters (and views of them)
+    excluded. The peak of that live total over the step is reported.
+  - On GPU it is the CUDA caching allocator's peak during the step (``torch.cuda.max_memory_allocated`` after
+    ``reset_peak_memory_stats``) minus what was allocated when the step began (parameters, optimizer state):
+    activations, but also weight gradients and transfer buffers, which are the same for every schedule.
 
 Results are printed as a markdown table and written to ``benchmarks/results/compare.md`` and ``compare.json``.
 """
@@ -59,13 +67,12 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 NUM_LAYERS = 8
-NUM_STAGES = 2
 GPT_DIM, GPT_HEADS, GPT_BLOCK, GPT_VOCAB, GPT_BATCH = 256, 4, 64, 64, 32
 RUNNER_LABELS = {  # --runners name -> label in the table
     "single": "single process",
@@ -74,6 +81,7 @@ RUNNER_LABELS = {  # --runners name -> label in the table
     "lightning": "lightning_pp",
 }
 PIPELINE_RUNNERS = ("torch", "torch_kept", "lightning")
+CPU_ONLY_RUNNERS = ("torch_kept",)  # the glibc allocator setting has nothing to do on a GPU
 MICROBATCHES = 8
 BATCH = 128
 LR = 0.01
@@ -185,13 +193,57 @@ class SavedTensorMeter:
             yield
 
 
+class AllocatorPeakMeter:
+    """Peak bytes the CUDA caching allocator handed out during a step, above what was allocated when it began."""
+
+    def __init__(self, device: Any) -> None:
+        self.device = device
+        self.peak = 0
+
+    @contextmanager
+    def measure(self) -> Iterator[None]:
+        import torch
+
+        torch.cuda.synchronize(self.device)
+        base = torch.cuda.memory_allocated(self.device)
+        torch.cuda.reset_peak_memory_stats(self.device)
+        try:
+            yield
+        finally:
+            torch.cuda.synchronize(self.device)
+            self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device) - base)
+
+
 def param_ptrs(module: Any) -> set[int]:
     return {p.untyped_storage().data_ptr() for p in module.parameters()}
 
 
-def summarize(times: list[float], warmup: int) -> dict[str, float]:
-    kept = times[warmup:] if len(times) > warmup else times
-    return {"median": statistics.median(kept), "min": min(kept), "max": max(kept), "n": len(kept)}
+def step_memory_meter(module: Any, device: Any) -> SavedTensorMeter | AllocatorPeakMeter:
+    """How a step's activation memory is measured on ``device`` (see the module docstring)."""
+    return AllocatorPeakMeter(device) if device.type == "cuda" else SavedTensorMeter(param_ptrs(module))
+
+
+def run_device(run: dict[str, Any]) -> Any:
+    """This process's device: GPU ``LOCAL_RANK`` for ``--device cuda``, else the CPU."""
+    import torch
+
+    if run["device"] == "cuda":
+        return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+    return torch.device("cpu")
+
+
+def synchronize(device: Any) -> None:
+    """Wait for the device's queued work, so that a host clock read after it covers the kernels."""
+    import torch
+
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def summarize(times: list[float]) -> dict[str, float] | None:
+    if not times:
+        return None
+    return {"median": statistics.median(times), "min": min(times), "max": max(times), "n": len(times)}
 
 
 # --------------------------------------------------------------------------------------------------------------------
@@ -203,26 +255,34 @@ def worker_single(run: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
+    device = run_device(run)
     model: Any
+    opt: torch.optim.Optimizer
+    loss_of: Callable[[Any], Any]
     if run["model"] == "gpt":
-        model = make_gpt()
+        model = make_gpt().to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        batches: list[Any] = list(make_tokens(run["steps"]).split(GPT_BATCH))
+        batches: list[Any] = list(make_tokens(run["steps"]).to(device).split(GPT_BATCH))
 
-        def loss_of(tokens: Any) -> Any:
+        def next_token_loss(tokens: Any) -> Any:
             logits = model(tokens[:, :-1])
             return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
-    else:
-        model = make_layers(run["hidden"])
-        opt = torch.optim.SGD(model.parameters(), lr=LR)
-        batches = make_batches(run["hidden"], run["steps"])
 
-        def loss_of(batch: Any) -> Any:
+        loss_of = next_token_loss
+    else:
+        model = make_layers(run["hidden"]).to(device)
+        opt = torch.optim.SGD(model.parameters(), lr=LR)
+        batches = [(x.to(device), y.to(device)) for x, y in make_batches(run["hidden"], run["steps"])]
+
+        def mse_loss(batch: Any) -> Any:
             return F.mse_loss(model(batch[0]), batch[1])
 
-    meter = SavedTensorMeter(param_ptrs(model))
+        loss_of = mse_loss
+
+    meter = step_memory_meter(model, device)
     times: list[float] = []
     for i, batch in enumerate(batches):
+        synchronize(device)
         start = time.perf_counter()
         if i == run["warmup"]:
             with meter.measure():
@@ -231,6 +291,7 @@ def worker_single(run: dict[str, Any]) -> dict[str, Any]:
             loss_of(batch).backward()
         opt.step()
         opt.zero_grad()
+        synchronize(device)
         if i != run["warmup"]:  # the metered step pays for the hooks
             times.append(time.perf_counter() - start)
     return {"times": times, "peak_saved_bytes": meter.peak}
@@ -241,17 +302,16 @@ def worker_torch(run: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     import torch.nn.functional as F
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
 
-    if run["model"] == "gpt":  # PipelineStage cannot share the tied embedding/head weight between stages
-        return {"times": [], "peak_saved_bytes": None}
+    device = run_device(run)
     layers = make_layers(run["hidden"])
     per_stage = NUM_LAYERS // world
-    submodule = layers[rank * per_stage:(rank + 1) * per_stage]
-    stage = PipelineStage(submodule, stage_index=rank, num_stages=world, device=torch.device("cpu"))
+    submodule = layers[rank * per_stage:(rank + 1) * per_stage].to(device)
+    stage = PipelineStage(submodule, stage_index=rank, num_stages=world, device=device)
     schedule_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[run["schedule"]]
     schedule = schedule_cls(stage, n_microbatches=MICROBATCHES, loss_fn=F.mse_loss)
     opt = torch.optim.SGD(submodule.parameters(), lr=LR)
-    batches = make_batches(run["hidden"], run["steps"] + 1)
-    meter = SavedTensorMeter(param_ptrs(submodule))
+    batches = [(x.to(device), y.to(device)) for x, y in make_batches(run["hidden"], run["steps"] + 1)]
+    meter = step_memory_meter(submodule, device)
     is_first, is_last = rank == 0, rank == world - 1
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
@@ -264,6 +324,7 @@ def worker_torch(run: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
             schedule.step()
         opt.step()
         opt.zero_grad()
+        synchronize(device)
 
     times: list[float] = []
     for x, y in batches[:run["steps"]]:
@@ -306,11 +367,13 @@ def worker_lightning(run: dict[str, Any], rank: int) -> dict[str, Any]:
 
         def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                                  batch_idx: int) -> None:
+            synchronize(pl_module.device)  # the batch's copy to the device is not part of the step
             self._start = time.perf_counter()
 
         def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
                                batch_idx: int) -> None:
             if trainer.global_rank == 0:
+                synchronize(pl_module.device)
                 self.times.append(time.perf_counter() - self._start)
 
     class MemoryProbe(Callback):
@@ -318,13 +381,13 @@ def worker_lightning(run: dict[str, Any], rank: int) -> dict[str, Any]:
 
         def __init__(self, step: int) -> None:
             self.step = step
-            self.meter: SavedTensorMeter | None = None
+            self.meter: SavedTensorMeter | AllocatorPeakMeter | None = None
             self._ctx: Any = None
 
         def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                                  batch_idx: int) -> None:
             if trainer.global_step == self.step:
-                self.meter = SavedTensorMeter(param_ptrs(pl_module))
+                self.meter = step_memory_meter(pl_module, pl_module.device)
                 self._ctx = self.meter.measure()
                 self._ctx.__enter__()
 
@@ -344,7 +407,7 @@ def worker_lightning(run: dict[str, Any], rank: int) -> dict[str, Any]:
             data = TensorDataset(torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))
             batch = BATCH
         trainer = L.Trainer(
-            accelerator="cpu", devices=NUM_STAGES,
+            accelerator="gpu" if run["device"] == "cuda" else "cpu", devices=run["stages"],
             strategy=PipelineParallelStrategy(schedule=run["schedule"], microbatches=MICROBATCHES),
             max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
             enable_model_summary=False, callbacks=callbacks,
@@ -361,7 +424,8 @@ def worker_lightning(run: dict[str, Any], rank: int) -> dict[str, Any]:
         fit(run["monitor_steps"], [monitor, probe])
         bubbles = [h["pipeline/bubble_fraction"] for h in monitor.history if "pipeline/bubble_fraction" in h]
         peak_saved_bytes = probe.meter.peak if probe.meter is not None else None
-    return {"times": timer.times if rank == 0 else [], "bubble_fractions": bubbles, "peak_saved_bytes": peak_saved_bytes}
+    return {"times": timer.times if rank == 0 else [], "bubble_fractions": bubbles,
+            "peak_saved_bytes": peak_saved_bytes}
 
 
 def worker_main(kind: str, spec_path: str, out_dir: str) -> None:
@@ -371,6 +435,9 @@ def worker_main(kind: str, spec_path: str, out_dir: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
+    on_gpu = spec["device"] == "cuda"
+    if on_gpu:
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
     if kind.startswith("torch"):
         import torch.distributed as dist
 
@@ -378,7 +445,7 @@ def worker_main(kind: str, spec_path: str, out_dir: str) -> None:
             from lightning_pp._allocator import keep_freed_cpu_memory
 
             keep_freed_cpu_memory()
-        dist.init_process_group("gloo", rank=rank, world_size=world)
+        dist.init_process_group("nccl" if on_gpu else "gloo", rank=rank, world_size=world)
     results: list[dict[str, Any]] = []
     try:
         for run in spec["runs"]:
@@ -406,10 +473,13 @@ def free_port() -> int:
         return int(sock.getsockname()[1])
 
 
-def launch(kind: str, runs: list[dict[str, Any]], world: int, timeout: float, tmp: Path) -> list[list[dict[str, Any]]]:
+def launch(kind: str, device: str, runs: list[dict[str, Any]], world: int, timeout: float,
+           tmp: Path) -> list[list[dict[str, Any]]]:
     """Run ``runs`` in ``world`` fresh worker processes; returns per rank the list of per-run results."""
+    for old in tmp.glob(f"{kind}_rank*.json"):
+        old.unlink()
     spec = tmp / f"{kind}_spec.json"
-    spec.write_text(json.dumps({"runs": runs}))
+    spec.write_text(json.dumps({"device": device, "runs": runs}))
     port = free_port()
     procs: list[tuple[subprocess.Popen[bytes], Any, Path]] = []
     for rank in range(world):
@@ -449,6 +519,35 @@ def launch(kind: str, runs: list[dict[str, Any]], world: int, timeout: float, tm
     return per_rank
 
 
+Config = tuple[str, int, str, int]  # model, hidden, schedule ("-" for the single process), stages
+PerRank = list[dict[str, Any] | None]  # one run's result on every rank (None where a rank produced none)
+
+
+def without_warmup(result: dict[str, Any], warmup: int) -> dict[str, Any]:
+    """A launch's result with its first ``warmup`` step times and bubble fractions left out."""
+    out = dict(result, times=result["times"][warmup:])
+    if "bubble_fractions" in result:
+        out["bubble_fractions"] = result["bubble_fractions"][warmup:] or result["bubble_fractions"]
+    return out
+
+
+def pool(repeats: list[PerRank]) -> PerRank:
+    """Merge one configuration's repeated launches per rank: times and bubbles concatenated, peak memory maxed."""
+    merged: PerRank = []
+    for rank in range(max(len(rep) for rep in repeats)):
+        parts = [part for rep in repeats if rank < len(rep) and (part := rep[rank]) is not None]
+        if not parts:
+            merged.append(None)
+            continue
+        peaks = [part["peak_saved_bytes"] for part in parts if part.get("peak_saved_bytes") is not None]
+        out: dict[str, Any] = {"times": [t for part in parts for t in part["times"]],
+                               "peak_saved_bytes": max(peaks) if peaks else None}
+        if any("bubble_fractions" in part for part in parts):
+            out["bubble_fractions"] = [b for part in parts for b in part.get("bubble_fractions", [])]
+        merged.append(out)
+    return merged
+
+
 def fmt_s(stats: dict[str, float] | None) -> str:
     if stats is None:
         return "failed"
@@ -461,75 +560,91 @@ def fmt_mib(values: list[int | None]) -> str:
     return " / ".join(f"{v / 2**20:.1f}" for v in values if v is not None) + " MiB"
 
 
-def build_rows(args: argparse.Namespace, pooled: dict[str, list[list[dict[str, Any]]]],
-               models: list[tuple[str, int]], configs: list[tuple[str, int, str]]) -> list[dict[str, Any]]:
-    p, m = NUM_STAGES, MICROBATCHES
-    single = pooled["single"]
-    pipelines = [(RUNNER_LABELS[kind], pooled[kind]) for kind in PIPELINE_RUNNERS]
+def build_rows(results: dict[str, dict[Config, PerRank]], models: list[tuple[str, int]],
+               configs: list[Config]) -> list[dict[str, Any]]:
+    """One table row per (configuration, runner), with the derived columns of the module docstring."""
+    m = MICROBATCHES
     rows: list[dict[str, Any]] = []
 
-    def get(per_rank: list[list[dict[str, Any]]], rank: int, index: int) -> dict[str, Any] | None:
-        return per_rank[rank][index] if rank < len(per_rank) and index < len(per_rank[rank]) else None
+    def first_rank(kind: str, config: Config) -> dict[str, Any] | None:
+        per_rank = results.get(kind, {}).get(config)
+        return per_rank[0] if per_rank else None
 
-    t_single: dict[int, float] = {}
-    for i, (model, hidden) in enumerate(models if single else []):
-        res = get(single, 0, i)
-        stats = summarize(res["times"], args.warmup) if res else None
-        if stats:
-            t_single[model_label(model, hidden)] = stats["median"]
-        rows.append({
-            "model": model_label(model, hidden), "hidden": hidden, "schedule": "-", "stages": 1, "microbatches": 1,
-            "runner": "single process", "step_s": stats, "ratio_to_torch": None, "efficiency": None,
-            "bubble_fraction": None, "peak_saved_bytes": [res["peak_saved_bytes"]] if res else [None],
-            "overhead_per_microbatch_ms": None,
-        })
-    for i, (model, hidden, schedule) in enumerate(configs):
-        runner_stats: dict[str, dict[str, float] | None] = {}
-        for name, per_rank in pipelines:
-            res0 = get(per_rank, 0, i)
-            runner_stats[name] = summarize(res0["times"], args.warmup) if res0 and res0["times"] else None
-        torch_median = runner_stats[RUNNER_LABELS["torch"]]
-        for name, per_rank in pipelines:
-            if not per_rank:  # runner not selected with --runners
+    t_single: dict[tuple[str, int], float] = {}
+    if "single" in results:
+        for model, hidden in models:
+            res = first_rank("single", (model, hidden, "-", 1))
+            stats = summarize(res["times"]) if res else None
+            if stats:
+                t_single[(model, hidden)] = stats["median"]
+            rows.append({
+                "model": model_label(model, hidden), "hidden": hidden, "schedule": "-", "stages": 1,
+                "microbatches": 1, "runner": RUNNER_LABELS["single"], "step_s": stats, "ratio_to_torch": None,
+                "efficiency": None, "bubble_fraction": None,
+                "peak_saved_bytes": [res["peak_saved_bytes"] if res else None], "overhead_per_microbatch_ms": None,
+            })
+    for config in configs:
+        model, hidden, schedule, p = config
+        torch_res = first_rank("torch", config)
+        torch_stats = summarize(torch_res["times"]) if torch_res else None
+        ts = t_single.get((model, hidden))
+        ideal = ts * (m + p - 1) / (m * p) if ts is not None else None
+        for kind in PIPELINE_RUNNERS:
+            if config not in results.get(kind, {}):  # runner not measured (--runners, device, or the GPT for torch)
                 continue
-            if model == "gpt" and name != RUNNER_LABELS["lightning"]:  # see worker_torch
-                continue
-            stats = runner_stats[name]
-            res0 = get(per_rank, 0, i)
-            ts = t_single.get(model_label(model, hidden))
-            ideal = ts * (m + p - 1) / (m * p) if ts is not None else None
+            res0 = first_rank(kind, config)
+            stats = summarize(res0["times"]) if res0 else None
             bubbles = res0.get("bubble_fractions") if res0 else None
-            kept_bubbles = (bubbles[args.warmup:] or bubbles) if bubbles else None
             rows.append({
                 "model": model_label(model, hidden), "hidden": hidden, "schedule": schedule, "stages": p,
-                "microbatches": m, "runner": name, "step_s": stats,
-                "ratio_to_torch": stats["median"] / torch_median["median"] if stats and torch_median else None,
+                "microbatches": m, "runner": RUNNER_LABELS[kind], "step_s": stats,
+                "ratio_to_torch": stats["median"] / torch_stats["median"] if stats and torch_stats else None,
                 "efficiency": ideal / stats["median"] if stats and ideal else None,
-                "bubble_fraction": statistics.median(kept_bubbles) if kept_bubbles else None,
-                "peak_saved_bytes": [(get(per_rank, r, i) or {}).get("peak_saved_bytes") for r in range(p)],
+                "bubble_fraction": statistics.median(bubbles) if bubbles else None,
+                "peak_saved_bytes": [(res or {}).get("peak_saved_bytes") for res in results[kind][config]],
                 "overhead_per_microbatch_ms": (stats["median"] - ideal) / m * 1e3 if stats and ideal else None,
             })
     return rows
 
 
-def markdown(rows: list[dict[str, Any]]) -> str:
+def markdown(rows: list[dict[str, Any]], memory_column: str) -> str:
     def opt(value: float | None, fmt: str) -> str:
         return "n/a" if value is None else format(value, fmt)
 
     lines = [
         "| config (model, schedule, stages, micro-batches) | runner | median step s (min-max) | ratio to torch "
-        "| efficiency | measured bubble | peak saved activations / stage | overhead / micro-batch ms |",
+        f"| efficiency | measured bubble | {memory_column} / stage | overhead / micro-batch ms |",
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
         config = f"{r['model']}, {r['schedule']}, p={r['stages']}, m={r['microbatches']}"
-        bubble = "n/a" if r["runner"] != "lightning_pp" else opt(r["bubble_fraction"], ".3f")
+        bubble = "n/a" if r["runner"] != RUNNER_LABELS["lightning"] else opt(r["bubble_fraction"], ".3f")
         lines.append(
             f"| {config} | {r['runner']} | {fmt_s(r['step_s'])} | {opt(r['ratio_to_torch'], '.2f')} "
             f"| {opt(r['efficiency'], '.2f')} | {bubble} | {fmt_mib(r['peak_saved_bytes'])} "
             f"| {opt(r['overhead_per_microbatch_ms'], '.2f')} |"
         )
     return "\n".join(lines)
+
+
+def machine_description(device: str) -> str:
+    """What the numbers were measured on, for the table's caption and the JSON."""
+    import platform
+
+    if device == "cuda":
+        import torch
+
+        names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
+        return f"{len(names)} x {names[0]}, NCCL, {os.cpu_count()} CPU cores"
+    cpu = platform.processor() or platform.machine()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                cpu = line.split(":", 1)[1].strip()
+                break
+    except OSError:
+        pass
+    return f"{cpu}, {os.cpu_count()} cores, gloo, one thread per process"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -539,6 +654,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--gpt", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure the GPT-style example model (default on)")
     parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"], choices=["gpipe", "1f1b"])
+    parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
+                        help="cpu (gloo) or cuda (NCCL, one GPU per stage); auto: cuda with 2 or more GPUs")
+    parser.add_argument("--stages", type=int, nargs="+", choices=[2, 4, 8],
+                        help="pipeline stage counts (default 2, and 4 where the machine has 4 cores or GPUs)")
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per run (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the statistics (default 3)")
     parser.add_argument("--monitor-steps", type=int, default=8, help="steps of the PipelineMonitor run (default 8)")
@@ -552,32 +671,31 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--worker", choices=list(RUNNER_LABELS), help=argparse.SUPPRESS)
     parser.add_argument("--spec", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
+    if args.worker:
+        return args
     if args.quick:
         args.steps, args.warmup, args.monitor_steps = 10, 2, 5
     if args.steps <= args.warmup:
         parser.error(f"--steps ({args.steps}) must exceed --warmup ({args.warmup})")
+    import torch
+
+    gpus = torch.cuda.device_count()
+    if args.device == "auto":
+        args.device = "cuda" if gpus >= 2 else "cpu"
+    capacity = gpus if args.device == "cuda" else os.cpu_count() or 1
+    if args.stages is None:
+        args.stages = [2, 4] if capacity >= 4 else [2]
+    if args.device == "cuda" and max(args.stages) > gpus:
+        parser.error(f"--stages {max(args.stages)} on --device cuda needs one GPU per stage, but {gpus} are visible; "
+                     f"pass --stages {' '.join(str(p) for p in args.stages if p <= gpus) or '...'} or --device cpu")
+    if args.device == "cpu" and max(args.stages) > capacity:
+        print(f"warning: {max(args.stages)} stages on {capacity} cores: the processes share cores, so that row "
+              f"measures oversubscription rather than the pipeline", file=sys.stderr)
+    skipped = [kind for kind in args.runners if args.device == "cuda" and kind in CPU_ONLY_RUNNERS]
+    if skipped:
+        print(f"note: {', '.join(skipped)} measured on CPU only; left out on cuda", file=sys.stderr)
+        args.runners = [kind for kind in args.runners if kind not in skipped]
     return args
-
-
-def pool(results: list[list[list[dict[str, Any]]]]) -> list[list[dict[str, Any]]]:
-    """Merge repeated launches: times and bubble fractions concatenated (warm-up dropped per repeat), peaks maxed."""
-    if len(results) == 1:
-        return results[0]
-    merged: list[list[dict[str, Any]]] = []
-    for rank in range(len(results[0])):
-        runs: list[dict[str, Any]] = []
-        for index in range(min(len(rep[rank]) for rep in results)):
-            parts = [rep[rank][index] for rep in results]
-            out: dict[str, Any] = {"times": [], "peak_saved_bytes": None}
-            for part in parts:
-                out["times"] += part["times"]
-                if "bubble_fractions" in part:
-                    out.setdefault("bubble_fractions", []).extend(part["bubble_fractions"])
-                if part.get("peak_saved_bytes") is not None:
-                    out["peak_saved_bytes"] = max(out["peak_saved_bytes"] or 0, part["peak_saved_bytes"])
-            runs.append(out)
-        merged.append(runs)
-    return merged
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -591,46 +709,51 @@ def main(argv: list[str] | None = None) -> None:
         print(f"warning: 1-minute load average is {load_before:.2f} before starting; other processes compete for the "
               f"{os.cpu_count()} cores and will inflate the times", file=sys.stderr)
     models = [("mlp", h) for h in args.hidden] + ([("gpt", GPT_DIM)] if args.gpt else [])
-    configs = [(model, h, s) for model, h in models for s in args.schedules]
-    common = {"steps": args.steps, "warmup": args.warmup, "monitor_steps": args.monitor_steps}
-    single_runs = [{"model": model, "hidden": h, **common} for model, h in models]
-    pipe_runs = [{"model": model, "hidden": h, "schedule": s, **common} for model, h, s in configs]
-    collected: dict[str, list[list[list[dict[str, Any]]]]] = {kind: [] for kind in RUNNER_LABELS}
+    configs: list[Config] = [(model, h, s, p) for p in args.stages for model, h in models for s in args.schedules]
+    common = {"device": args.device, "steps": args.steps, "warmup": args.warmup, "monitor_steps": args.monitor_steps}
+    launches: list[tuple[str, int, list[Config]]] = []  # runner, processes, configurations measured in one launch
+    for kind in RUNNER_LABELS:
+        if kind not in args.runners:
+            continue
+        if kind == "single":
+            launches.append((kind, 1, [(model, h, "-", 1) for model, h in models]))
+            continue
+        for p in args.stages:
+            measured = [c for c in configs if c[3] == p and not (kind.startswith("torch") and c[0] == "gpt")]
+            if measured:  # PipelineStage cannot share the GPT's tied embedding/head weight between stages
+                launches.append((kind, p, measured))
+    repeats: dict[str, dict[Config, list[PerRank]]] = {kind: {} for kind in args.runners}
     with tempfile.TemporaryDirectory(prefix="lpp_compare_") as tmp_name:
-        tmp = Path(tmp_name)
         for repeat in range(args.repeats):
-            for kind in RUNNER_LABELS:
-                runs, world = (single_runs, 1) if kind == "single" else (pipe_runs, NUM_STAGES)
-                if kind not in args.runners:
-                    continue
+            for kind, world, measured in launches:
+                runs = [{"model": model, "hidden": h, "schedule": s, "stages": p, **common}
+                        for model, h, s, p in measured]
                 t0 = time.perf_counter()
-                print(f"[{repeat + 1}/{args.repeats}] {kind}: {len(runs)} run(s) ...", file=sys.stderr, flush=True)
-                for old in tmp.glob(f"{kind}_rank*.json"):
-                    old.unlink()
-                per_rank = launch(kind, runs, world, args.timeout, tmp)
-                # a repeat's warm-up is dropped before pooling, so later repeats' warm-up is not counted either
-                if repeat > 0:
-                    for rank_runs in per_rank:
-                        for res in rank_runs:
-                            res["times"] = res["times"][args.warmup:]
-                            if "bubble_fractions" in res:
-                                res["bubble_fractions"] = res["bubble_fractions"][args.warmup:]
-                collected[kind].append(per_rank)
+                print(f"[{repeat + 1}/{args.repeats}] {kind}, {world} process(es): {len(runs)} run(s) ...",
+                      file=sys.stderr, flush=True)
+                per_rank = launch(kind, args.device, runs, world, args.timeout, Path(tmp_name))
+                for index, config in enumerate(measured):
+                    repeats[kind].setdefault(config, []).append(
+                        [without_warmup(rank_runs[index], args.warmup) if index < len(rank_runs) else None
+                         for rank_runs in per_rank])
                 print(f"    done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
-    pooled = {kind: pool(reps) if reps else [] for kind, reps in collected.items()}
-    rows = build_rows(args, pooled, models, configs)
-    table = markdown(rows)
+    results = {kind: {config: pool(reps) for config, reps in by_config.items()} for kind, by_config in repeats.items()}
+    rows = build_rows(results, models, configs)
+    memory_column = "peak allocator memory" if args.device == "cuda" else "peak saved activations"
+    machine = machine_description(args.device)
+    table = markdown(rows, memory_column)
     elapsed = time.perf_counter() - started
-    print(table)
+    print(f"Measured on {machine}.\n\n{table}")
     print(f"\ntotal runtime: {elapsed:.1f} s  (steps={args.steps}, warm-up={args.warmup}, "
-          f"monitor steps={args.monitor_steps}, repeats={args.repeats}; threads per process: 1; "
+          f"monitor steps={args.monitor_steps}, repeats={args.repeats}; "
           f"1-min load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after)")
     args.out.mkdir(parents=True, exist_ok=True)
-    (args.out / "compare.md").write_text(table + "\n")
-    meta = {"steps": args.steps, "warmup": args.warmup, "monitor_steps": args.monitor_steps,
-            "repeats": args.repeats, "batch": BATCH, "layers": NUM_LAYERS, "stages": NUM_STAGES,
-            "microbatches": MICROBATCHES, "runtime_s": elapsed, "cpu_count": os.cpu_count(),
-            "loadavg_1min_before": load_before, "loadavg_1min_after": os.getloadavg()[0]}
+    (args.out / "compare.md").write_text(f"Measured on {machine}.\n\n{table}\n")
+    meta = {"machine": machine, "device": args.device, "steps": args.steps, "warmup": args.warmup,
+            "monitor_steps": args.monitor_steps, "repeats": args.repeats, "batch": BATCH, "layers": NUM_LAYERS,
+            "stages": args.stages, "microbatches": MICROBATCHES, "memory_column": memory_column,
+            "runtime_s": elapsed, "cpu_count": os.cpu_count(), "loadavg_1min_before": load_before,
+            "loadavg_1min_after": os.getloadavg()[0]}
     (args.out / "compare.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))
 
 

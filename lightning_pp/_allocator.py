@@ -3,7 +3,7 @@
 glibc hands allocations above its mmap threshold (128 KiB, raised on the fly up to 32 MiB) straight to the kernel and
 returns freed memory at the top of the heap once more than the trim threshold is free. A pipeline stage allocates and
 frees the same activation and weight-gradient buffers for every micro-batch, so with the defaults the kernel maps,
-zero-fills and unmaps them over and over: 7,600 page faults per step and 15–30 % of the compute time of a
+zero-fills and unmaps them over and over: 7,600 page faults per step and 15-30 % of the compute time of a
 4-layer, 1024-wide stage with 8 micro-batches (``benchmarks/compare.py``). Raising both thresholds keeps those pages in
 the heap, at the price of the process holding on to its peak CPU memory.
 """

@@ -92,13 +92,13 @@ def run_stage(
     input_grads: dict[int, torch.Tensor] = {}  # gradients w.r.t. this stage's inputs, to send upstream
     # (action, category, start, header arrival or None, end) in clock stamps, turned into events after the step
     stamps: list[tuple[Action, str, Any, Any, Any]] = []
-    timed = events is not None and clock is not None
+    timer = clock if events is not None else None  # None: this step is not timed
 
     if p2p is not None:
         p2p.start_step(actions)
     for action in actions:
         mb = action.microbatch
-        start = clock.now() if timed else None
+        start = timer.now() if timer is not None else None
         header_arrived = None
         kind = action.type
         if kind is ActionType.FORWARD:
@@ -132,21 +132,21 @@ def run_stage(
         else:  # RECV_B
             assert p2p is not None
             output_grads[mb], header_arrived = p2p.recv(action)
-        if timed:
-            stamps.append((action, CATEGORY_OF.get(kind, COMM_TRANSFER), start, header_arrived, clock.now()))
+        if timer is not None:
+            stamps.append((action, CATEGORY_OF.get(kind, COMM_TRANSFER), start, header_arrived, timer.now()))
     if p2p is not None:
-        start = clock.now() if timed else None
+        start = timer.now() if timer is not None else None
         p2p.wait_sends()
-        if timed and actions:
-            stamps.append((actions[-1], COMM_WAIT, start, None, clock.now()))
-    if timed:
-        clock.finish()
+        if timer is not None and actions:
+            stamps.append((actions[-1], COMM_WAIT, start, None, timer.now()))
+    if timer is not None and events is not None:
+        timer.finish()
         for action, category, start, header_arrived, end in stamps:
-            start_s = clock.seconds(start)
-            end_s = max(start_s, clock.seconds(end))
+            start_s = timer.seconds(start)
+            end_s = max(start_s, timer.seconds(end))
             if header_arrived is not None:  # a receive: waiting for the peer, then moving the tensor
                 # clamped: on a device, the host may see the header before the stream reaches the receive
-                split = min(max(clock.seconds(header_arrived), start_s), end_s)
+                split = min(max(timer.seconds(header_arrived), start_s), end_s)
                 events.append(TimelineEvent(action.stage, action, COMM_WAIT, start_s, split))
                 start_s = split
             events.append(TimelineEvent(action.stage, action, category, start_s, end_s))

@@ -208,7 +208,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         process_group_backend: ``"gloo"`` or ``"nccl"``; by default chosen from the device.
         reuse_cpu_memory: On CPU (Linux, glibc), keep freed memory in each stage's process instead of returning it to
             the operating system, so the buffers of every micro-batch reuse pages rather than page-faulting fresh ones
-            in (15–30 % of the compute time of a 1024-wide MLP stage). The process keeps its peak memory.
+            in (15-30 % of the compute time of a 1024-wide MLP stage). The process keeps its peak memory.
 
     Raises:
         PipelineConfigError: for an unknown schedule, ``microbatches < 1``, a bad ``balance``, a world size that does

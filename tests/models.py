@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import lightning as L
@@ -120,7 +121,9 @@ class InfOnOneStage(MLPClassifier):
 
     def on_after_backward(self) -> None:
         if self.trainer.global_step == 1 and "6" in self.layers._modules:
-            self.layers[6].weight.grad[0, 0] = float("inf")
+            layer = self.layers[6]
+            assert isinstance(layer, nn.Linear) and layer.weight.grad is not None
+            layer.weight.grad[0, 0] = float("inf")
 
 
 class SequentialInHook(MLPClassifier):
@@ -202,7 +205,7 @@ def make_data(model_name: str, batch_size: int = 8, batches: int = 4, seed: int 
     return DataLoader(dataset, batch_size=batch_size, shuffle=False)
 
 
-MODELS: dict[str, type[L.LightningModule]] = {
+MODELS: dict[str, Callable[[], L.LightningModule]] = {
     "mlp": MLPClassifier, "tied": TiedLM, "two_sequentials": TwoSequentials, "too_few_layers": TooFewLayers,
     "manual": ManualOptimization, "no_sequential_call": NoSequentialCall, "sequential_in_hook": SequentialInHook,
     "inf_on_one_stage": InfOnOneStage,
@@ -310,6 +313,7 @@ def with_callbacks(dirpath: str, strategy: Any = "auto", devices: int = 1) -> di
                          enable_checkpointing=True, callbacks=[checkpoint, early, LearningRateMonitor("step")])
     from pathlib import Path
 
+    assert checkpoint.best_model_score is not None
     return {
         "best_score": float(checkpoint.best_model_score),
         "best_path": Path(checkpoint.best_model_path).name,

@@ -8,7 +8,7 @@ from typing import Any
 import torch
 from _launch import launch
 from models import MLPClassifier, fit
-from test_equivalence import assemble
+from test_equivalence import assemble, prefixed
 
 RESUME_TOL = 1e-6
 
@@ -25,7 +25,7 @@ def single_device(**kwargs: Any) -> dict[str, torch.Tensor]:
 def assert_params_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], label: str) -> None:
     assert sorted(got) == sorted(want), label
     for name, value in want.items():
-        torch.testing.assert_close(got[name], value, rtol=0, atol=RESUME_TOL, msg=lambda m, n=name: f"{label} {n}: {m}")
+        torch.testing.assert_close(got[name], value, rtol=0, atol=RESUME_TOL, msg=prefixed(f"{label} {name}"))
 
 
 def test_full_checkpoint_loads_in_plain_lightning_and_resumes_everywhere(tmp_path: Path) -> None:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from functools import cache
 from typing import Any
 
@@ -16,6 +17,11 @@ SCHEDULE_NAMES = ["naive", "gpipe", "1f1b"]
 
 
 @cache
+def prefixed(prefix: str) -> Callable[[str], str]:
+    """An ``assert_close`` message that keeps torch's mismatch report and says which tensor it is."""
+    return lambda message: f"{prefix}: {message}"
+
+
 def reference(model: str, max_steps: int = 4, batch_size: int = 8, **trainer: Any) -> dict[str, Any]:
     module, logger = fit(model, max_steps=max_steps, batch_size=batch_size, **trainer)
     return {"state": {k: v.detach().clone() for k, v in module.state_dict().items()}, "history": logger.history}
@@ -39,7 +45,7 @@ def assert_matches(full: dict[str, torch.Tensor], history: list, expected: dict[
     worst = max((full[n] - v).abs().max().item() for n, v in expected["state"].items())
     print(f"{label}: max |param difference| {worst:.2e}")
     for name, value in expected["state"].items():
-        torch.testing.assert_close(full[name], value, rtol=RTOL, atol=ATOL, msg=lambda m, n=name: f"{label} {n}: {m}")
+        torch.testing.assert_close(full[name], value, rtol=RTOL, atol=ATOL, msg=prefixed(f"{label} {name}"))
     logged = [(step, m["train_loss"]) for step, m in history if "train_loss" in m]
     wanted = [(step, m["train_loss"]) for step, m in expected["history"] if "train_loss" in m]
     assert [s for s, _ in logged] == [s for s, _ in wanted], label
@@ -55,7 +61,7 @@ def assert_matches(full: dict[str, torch.Tensor], history: list, expected: dict[
 def test_every_schedule_matches_single_device(world_size: int) -> None:
     """naive, gpipe, 1f1b x micro-batch counts 1, p, 2p and one that does not divide the batch of 8."""
     microbatch_counts = [1, world_size, 2 * world_size, 3]
-    runs = [{"scenario": "train", "kwargs": {"model": "mlp", "schedule": s, "microbatches": m}}
+    runs: list[dict[str, Any]] = [{"scenario": "train", "kwargs": {"model": "mlp", "schedule": s, "microbatches": m}}
             for s in SCHEDULE_NAMES for m in microbatch_counts]
     runs += [{"scenario": "train", "kwargs": {"model": "tied", "schedule": s, "microbatches": world_size}}
              for s in SCHEDULE_NAMES]
@@ -86,7 +92,8 @@ def test_balance_accumulation_and_uneven_batches() -> None:
 def test_gradient_clipping_by_global_norm_and_value() -> None:
     cases = [{"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"},
              {"gradient_clip_val": 0.01, "gradient_clip_algorithm": "value"}]
-    runs = [{"scenario": "train", "kwargs": {"model": model, "schedule": "1f1b", "microbatches": 2, "trainer": case}}
+    runs: list[dict[str, Any]] = [
+        {"scenario": "train", "kwargs": {"model": model, "schedule": "1f1b", "microbatches": 2, "trainer": case}}
             for case in cases for model in ("mlp", "tied")]
     ranks = launch(2, runs, timeout=300)
     for index, run in enumerate(runs):
@@ -114,7 +121,7 @@ def test_mixed_precision() -> None:
         assert abs(got["train_loss"] - want["train_loss"]) < 2e-3
 
     module, logger = fit("inf_on_one_stage", plugins=[fp16_with_scaler()])
-    expected_scale = module.trainer.precision_plugin.scaler.get_scale()
+    expected_scale = module.trainer.precision_plugin.scaler.get_scale()  # type: ignore[attr-defined]
     assert expected_scale == 2.0**9  # the single-device run skipped step 1 and halved the scale
     assert [rank.results[1]["scale"] for rank in ranks] == [expected_scale, expected_scale]
     full, history = assemble(ranks, 1)
@@ -152,7 +159,7 @@ def test_example_transformer_gradients_and_losses_match_single_device() -> None:
             for name, grad in want.items():
                 scale = grad.abs().max().item()
                 torch.testing.assert_close(got[name], grad, rtol=0, atol=1e-5 * scale + 1e-12,
-                                           msg=lambda m, n=name, s=step, w=world_size: f"{w} stages step {s} {n}: {m}")
+                                           msg=prefixed(f"{world_size} stages step {step} {name}"))
         logged = [m["train_loss"] for _, m in ranks[0].results[0]["history"] if "train_loss" in m]
         wanted = [m["train_loss"] for _, m in logger.history if "train_loss" in m]
         assert logged == pytest.approx(wanted, abs=LOSS_TOL)

@@ -1,12 +1,16 @@
-"""GPU tier (skipped without CUDA): event timing on one GPU, NCCL pipeline equivalence on two."""
+"""GPU tier (skipped without CUDA): event timing on one GPU; NCCL pipeline equivalence and benchmark on two."""
 
 from __future__ import annotations
 
+import itertools
 import time
+from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
 from _launch import launch
+from test_benchmark import run_compare
 from test_equivalence import SCHEDULE_NAMES, assemble, assert_matches, reference
 
 from lightning_pp.runtime import run_stage, step_clock
@@ -41,14 +45,15 @@ def test_cuda_events_time_kernels_not_launches() -> None:
     assert [e.category for e in events][:2] == [FORWARD, FORWARD]
     # launches alone take a small fraction of the kernels' time; the events cover the kernels
     assert compute >= 0.5 * 2 * one_forward_backward, (compute, one_forward_backward)
-    assert all(a.end <= b.start + 1e-4 for a, b in zip(events, events[1:]))
+    assert all(a.end <= b.start + 1e-4 for a, b in itertools.pairwise(events))
 
 
 @needs_two_gpus
 @pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
 def test_nccl_pipeline_matches_single_gpu(schedule: str) -> None:
-    runs = [{"scenario": "train", "kwargs": {"model": model, "schedule": schedule, "microbatches": 4,
-                                             "trainer": {"accelerator": "gpu"}}} for model in ("mlp", "tied")]
+    runs: list[dict[str, Any]] = [
+        {"scenario": "train", "kwargs": {"model": model, "schedule": schedule, "microbatches": 4,
+                                         "trainer": {"accelerator": "gpu"}}} for model in ("mlp", "tied")]
     ranks = launch(2, runs, timeout=400)
     for index, run in enumerate(runs):
         full, history = assemble(ranks, index)
@@ -56,3 +61,13 @@ def test_nccl_pipeline_matches_single_gpu(schedule: str) -> None:
         cpu = {k: v.cpu() for k, v in full.items()}
         assert_matches(cpu, history, {**expected, "state": {k: v.cpu() for k, v in expected["state"].items()}},
                        f"nccl {run['kwargs']}")
+
+
+@needs_two_gpus
+@pytest.mark.timeout(300)
+def test_benchmark_runs_on_nccl_with_allocator_peaks(tmp_path: Path) -> None:
+    report = run_compare(tmp_path, "--schedules", "1f1b", "--stages", "2", "--device", "cuda")
+    assert report["meta"]["memory_column"] == "peak allocator memory"
+    assert {row["runner"] for row in report["rows"]} == {"single process", "torch.distributed.pipelining",
+                                                         "lightning_pp"}
+    assert all(row["step_s"] is not None and None not in row["peak_saved_bytes"] for row in report["rows"])

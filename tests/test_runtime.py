@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import itertools
 import subprocess
 import sys
 import time
@@ -36,6 +37,7 @@ def one_stage_step(clock: HostClock, sleep_s: float) -> list[TimelineEvent]:
     events: list[TimelineEvent] = []
     actions = build_schedule("gpipe", 1, 2).actions[0]
     run_stage(actions, forward, None, is_last=True, training=True, events=events, clock=clock)
+    assert weight.grad is not None
     assert torch.equal(weight.grad, torch.full((3,), 3.0))  # both micro-batches back-propagated
     return events
 
@@ -45,7 +47,7 @@ def test_host_clock_times_each_action() -> None:
     assert [(str(e.action), e.category) for e in events] == [
         ("0F0", FORWARD), ("0F1", FORWARD), ("0B0", BACKWARD), ("0B1", BACKWARD)]
     assert all(e.duration >= 0.02 for e in events if e.category == FORWARD)
-    assert all(a.end <= b.start for a, b in zip(events, events[1:]))
+    assert all(a.end <= b.start for a, b in itertools.pairwise(events))
 
 
 def test_event_clock_synchronises_twice_and_maps_device_time_to_host_time() -> None:

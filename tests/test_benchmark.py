@@ -1,0 +1,44 @@
+"""benchmarks/compare.py runs end to end in a tiny configuration and writes a complete table (the numbers are not
+checked: speed is measured by the script, never asserted in tests)."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+SCRIPT = Path(__file__).parents[1] / "benchmarks" / "compare.py"
+
+
+def run_compare(out: Path, *args: str) -> dict:
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK")}
+    result = subprocess.run(
+        [sys.executable, str(SCRIPT), "--hidden", "32", "--no-gpt", "--steps", "3", "--warmup", "1",
+         "--monitor-steps", "2", "--out", str(out), *args],
+        capture_output=True, text=True, timeout=280, env=env,
+    )
+    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
+    assert "failed" not in result.stdout, result.stdout + result.stderr[-3000:]
+    return json.loads((out / "compare.json").read_text())
+
+
+@pytest.mark.timeout(300)
+def test_compare_measures_every_runner_and_writes_markdown_and_json(tmp_path: Path) -> None:
+    report = run_compare(tmp_path, "--schedules", "1f1b", "--stages", "2", "--device", "cpu")
+    runners = {row["runner"] for row in report["rows"]}
+    assert runners == {"single process", "torch.distributed.pipelining",
+                       "torch.distributed.pipelining + freed memory kept", "lightning_pp"}
+    for row in report["rows"]:
+        assert row["step_s"]["n"] >= 1, row
+        assert all(b is not None and b > 0 for b in row["peak_saved_bytes"]), row
+        if row["stages"] == 2:
+            assert len(row["peak_saved_bytes"]) == 2 and row["efficiency"] is not None, row
+    lightning_row = next(row for row in report["rows"] if row["runner"] == "lightning_pp")
+    assert 0.0 <= lightning_row["bubble_fraction"] <= 1.0
+    assert report["meta"]["device"] == "cpu" and report["meta"]["stages"] == [2]
+    markdown = (tmp_path / "compare.md").read_text()
+    assert markdown.startswith("Measured on ") and markdown.count("\n| MLP 8x32") == len(report["rows"])
