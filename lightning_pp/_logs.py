@@ -4,6 +4,12 @@ The loss and the user's metrics only exist on the last stage, but Lightning's lo
 callbacks decide on every rank. So during a pipelined step ``LightningModule.log`` is recorded instead of executed,
 the records are combined over micro-batches (``reduce_fx`` "mean" weighted by micro-batch size, which equals the
 single-device value of a batch mean; "sum", "max", "min" as named), sent to every stage and replayed there.
+
+torchmetrics objects are handled whole. Their step value is what one update with the whole batch gives: a copy of the
+metric is updated with every micro-batch the step passes to the metric's forward, then computed once (a mean of
+per-micro-batch values would be wrong for, e.g., macro-averaged accuracy). Their epoch value is computed on every
+stage from the last stage's state, which replaces torchmetrics' all-gather over processes: the stages are not
+data-parallel replicas, and the other stages' states are empty.
 """
 
 from __future__ import annotations
@@ -16,6 +22,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+import torch.distributed as dist
+from torch.utils.hooks import RemovableHandle
 from torchmetrics import Metric
 
 from lightning_pp.errors import PipelineConfigError
@@ -38,15 +46,94 @@ class MetricRef:
 LogRecord = tuple[str, "float | MetricRef", dict[str, Any]]
 
 
+class MetricStateFromLastStage:
+    """A torchmetrics ``dist_sync_fn`` that gives every stage the last stage's copy of a metric state.
+
+    It returns a one-element "gather", so the state's own reduction (sum, cat, min, ...) keeps the last stage's state
+    as it is, on every stage; each state is broadcast as an object, since list states differ in shape per stage.
+    """
+
+    def __init__(self, source_rank: int) -> None:
+        self.source_rank = source_rank
+
+    def __call__(self, tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
+        box = [tensor.detach().cpu() if dist.get_rank() == self.source_rank else None]
+        dist.broadcast_object_list(box, src=self.source_rank)
+        state = box[0]
+        assert state is not None
+        return [state.to(tensor.device)]
+
+
+def _keep_local_state(tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
+    """A torchmetrics ``dist_sync_fn`` that gathers from this process only."""
+    return [tensor]
+
+
 class LogRecorder:
     """Collects ``self.log`` calls of one step, tagged with the micro-batch they came from."""
 
     def __init__(self) -> None:
         self._calls: list[tuple[int, str, torch.Tensor | MetricRef, dict[str, Any]]] = []
+        self._recording = False
+        self._logged_metrics: dict[str, Metric] = {}  # attribute path -> metric logged in this step
+        # id(metric) -> its copy updated with this step's micro-batches (the step value is computed from it); by id
+        # because a Metric's hash follows its state
+        self._step_copies: dict[int, Metric] = {}
+        self._updated: set[int] = set()
+        self._attached: list[tuple[Metric, Any, bool, RemovableHandle]] = []
+
+    def attach(self, module: pl.LightningModule, last_stage_rank: int | None) -> None:
+        """Watch the module's metrics; with ``last_stage_rank``, sync their states from that rank (see module doc)."""
+        self.detach()
+        recorder = self
+
+        # a plain function, not a bound method: a deep copy of the metric (Metric.clone) then shares it
+        def on_metric_forward(metric: Metric, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            if recorder._recording:
+                recorder._step_copy(metric).update(*args, **kwargs)
+
+        for metric in module.modules():
+            if not isinstance(metric, Metric):
+                continue
+            saved = (metric, metric.dist_sync_fn, metric.dist_sync_on_step)
+            if last_stage_rank is not None:
+                if metric.dist_sync_fn is None:
+                    metric.dist_sync_fn = MetricStateFromLastStage(last_stage_rank)
+                metric.dist_sync_on_step = False  # one pipeline has no replicas to sync a step's value with
+            handle = metric.register_forward_hook(on_metric_forward, with_kwargs=True)
+            self._attached.append((*saved, handle))
+
+    def detach(self) -> None:
+        """Undo :meth:`attach`."""
+        for metric, sync_fn, sync_on_step, handle in self._attached:
+            metric.dist_sync_fn, metric.dist_sync_on_step = sync_fn, sync_on_step
+            handle.remove()
+        self._attached.clear()
+        self._step_copies.clear()
+        self._updated.clear()
+
+    def _step_copy(self, metric: Metric) -> Metric:
+        copy = self._step_copies.get(id(metric))
+        if copy is None:
+            copy = metric.clone()
+            copy.dist_sync_fn = _keep_local_state  # the step's value is this stage's alone: no collective
+            copy.reset()
+            self._step_copies[id(metric)] = copy
+        self._updated.add(id(metric))
+        return copy
+
+    def _step_value(self, metric: Metric) -> float | None:
+        """The metric over this step's micro-batches, as one forward over the whole batch gives it (scalars only)."""
+        if id(metric) not in self._updated:
+            return None
+        value = self._step_copies[id(metric)].compute()
+        return float(value) if isinstance(value, torch.Tensor) and value.numel() == 1 else None
 
     @contextmanager
     def recording(self, module: pl.LightningModule, microbatch: int | None) -> Iterator[None]:
         """Within the block, ``module.log`` records (``microbatch`` None: discards) instead of logging."""
+
+        self._recording = microbatch is not None
 
         def log(*args: Any, **kwargs: Any) -> None:
             bound = _LOG_SIGNATURE.bind(module, *args, **kwargs)
@@ -66,6 +153,7 @@ class LogRecorder:
                 cache = value._forward_cache
                 forward_value = float(cache) if isinstance(cache, torch.Tensor) and cache.numel() == 1 else None
                 self._calls.append((microbatch, name, MetricRef(attribute, forward_value), options))
+                self._logged_metrics[attribute] = value
                 return
             if not isinstance(value, (torch.Tensor, int, float)):
                 raise PipelineConfigError(
@@ -79,6 +167,7 @@ class LogRecorder:
             yield
         finally:
             del module.log
+            self._recording = False
 
     def combine(self, microbatch_sizes: list[int]) -> list[LogRecord]:
         """One record per key: micro-batch values reduced with the key's ``reduce_fx``."""
@@ -91,10 +180,10 @@ class LogRecorder:
             last_value = entries[-1][1]
             sizes = [float(microbatch_sizes[mb]) for mb, _, _ in entries]
             if isinstance(last_value, MetricRef):
-                # the step value of a metric's forward: weighted like a batch mean over the micro-batches
+                forward_value = self._step_value(self._logged_metrics[last_value.attribute])
                 forwards = [v.forward_value for _, v, _ in entries]
-                forward_value = None
-                if all(f is not None for f in forwards):
+                if forward_value is None and all(f is not None for f in forwards):
+                    # the metric was not called through its forward in this step: keep what the step's calls gave
                     forward_value = _weighted_mean(torch.tensor(forwards, dtype=torch.float64), sizes)
                 records.append((name, MetricRef(last_value.attribute, forward_value), options))
                 continue
@@ -110,6 +199,10 @@ class LogRecorder:
                 options["batch_size"] = sum(int(o["batch_size"]) for _, _, o in entries)
             records.append((name, combined, options))
         self._calls.clear()
+        self._logged_metrics.clear()
+        for key in self._updated:
+            self._step_copies[key].reset()
+        self._updated.clear()
         return records
 
 

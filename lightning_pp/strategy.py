@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import os
 import weakref
@@ -123,7 +124,9 @@ class _StageSequential(nn.Sequential):
             raise PipelineConfigError(
                 f"`self.{self.attribute}` holds only the layers {list(self._modules)} of pipeline stage {self.stage}; "
                 f"it can only be called inside a pipelined training, validation, test or predict step, not from "
-                f"other hooks (such as on_validation_epoch_end). Compute what you need inside the step and log it."
+                f"other hooks (such as on_validation_epoch_end). Compute what you need inside the step and log it. "
+                f"(Lightning's model summary also runs a forward pass when the module sets `example_input_array`: "
+                f"pass Trainer(enable_model_summary=False) or leave `example_input_array` unset.)"
             )
         self.calls += 1
         if self.calls > 1:
@@ -139,19 +142,22 @@ class _StageSequential(nn.Sequential):
 
 
 @contextmanager
-def _stage_rng(stage: int) -> Iterator[None]:
-    """Give each stage its own CPU random stream inside a step, and leave the generator identical on all stages.
+def _stage_rng(stage: int, step_index: int) -> Iterator[None]:
+    """Give each stage its own CPU random stream inside a step, and leave the generator as the step found it.
 
     Stages consume random numbers differently (dropout in their own layers), which would otherwise make a shuffling
-    sampler draw different batches on different stages.
+    sampler draw different batches on different stages. The stream's seed is derived from the generator's state and
+    the step's index without drawing from the generator, so a step that uses no randomness leaves it exactly as one
+    device would (a shuffling sampler then draws the same epochs as single-device training).
     """
-    step_seed = int(torch.randint(2**62, (), dtype=torch.int64))  # the same draw on every stage
-    after_step = torch.get_rng_state()
-    torch.default_generator.manual_seed(step_seed + stage)
+    before_step = torch.get_rng_state()
+    digest = hashlib.blake2b(before_step.numpy().tobytes(), digest_size=8)
+    digest.update(step_index.to_bytes(8, "little") + stage.to_bytes(4, "little"))
+    torch.default_generator.manual_seed(int.from_bytes(digest.digest(), "little") >> 1)
     try:
         yield
     finally:
-        torch.set_rng_state(after_step)
+        torch.set_rng_state(before_step)
 
 
 def _find_sequential(module: nn.Module, name: str | None) -> tuple[str, nn.Sequential]:
@@ -280,6 +286,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._pending_grads: list[tuple[nn.Parameter, Tensor]] = []  # this step's gradients, handed over in backward
         self._p2p: StageP2P | None = None
         self._schedules: dict[tuple[int, bool], Schedule] = {}
+        self._steps_run = 0  # pipelined steps so far (the same count on every stage): seeds their random streams
         self._log_recorder = LogRecorder()
         # set by PipelineMonitor: receives a timed step's events and sample count; None keeps the timing off
         self.timing_sink: Callable[[list[TimelineEvent], int], None] | None = None
@@ -374,7 +381,7 @@ class PipelineParallelStrategy(ParallelStrategy):
                 f"PipelineParallelStrategy does not support: the schedule runs forward and backward itself. Use "
                 f"automatic optimization, where Lightning calls the optimizers after the pipelined step."
             )
-        self._partition(module)
+        self._partition(module, training=trainer.state.fn == TrainerFn.FITTING)
         assert self.model is not None
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -391,6 +398,7 @@ class PipelineParallelStrategy(ParallelStrategy):
             _AGREEING_SCALERS.add(scaler)
         if trainer.state.fn == TrainerFn.FITTING:
             _compat._optimizers_to_device(self.optimizers, self.root_device)
+        self._log_recorder.attach(module, last_stage_rank=self.num_stages - 1 if self.num_stages > 1 else None)
         if self.num_stages > 1:
             # one group for activations, one for gradients (see StageP2P); new_group is collective: every rank calls it
             groups = (self._new_group(), self._new_group())
@@ -424,7 +432,7 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------------------------------------ partitioning
 
-    def _partition(self, module: pl.LightningModule) -> None:
+    def _partition(self, module: pl.LightningModule, training: bool) -> None:
         """Keep only this stage's layers of the sequential; everything else stays, replicated on every stage."""
         name, sequential = _find_sequential(module, self._sequential_name)
         if isinstance(sequential, _StageSequential):
@@ -442,6 +450,8 @@ class PipelineParallelStrategy(ParallelStrategy):
                 else uniform_balance(len(layers), self.num_stages)
             )
             self._check_no_shared_parameters(module, name, sequential, balance)
+            if training:
+                self._check_every_stage_trains(module, name, sequential, balance)
             local = stage_layer_ranges(balance)[self.stage]
             stage_module = _StageSequential(
                 OrderedDict(layers[i] for i in local), self.stage, self.num_stages, name,
@@ -478,6 +488,26 @@ class PipelineParallelStrategy(ParallelStrategy):
                     f"Parameter `{param_name}` is shared with a layer of `{name}`; a weight inside the partitioned "
                     f"sequential cannot also be used outside it. Move the tied layer out of `{name}`."
                 )
+
+    @staticmethod
+    def _check_every_stage_trains(
+        module: nn.Module, name: str, sequential: nn.Sequential, balance: list[int]
+    ) -> None:
+        """Each stage's optimizer needs a trainable parameter: its layers' or one outside the sequential."""
+        inside = {id(p) for p in sequential.parameters()}
+        if any(p.requires_grad and id(p) not in inside for p in module.parameters()):
+            return  # replicated on every stage
+        children = list(sequential.children())
+        trainable = [sum(p.numel() for p in child.parameters() if p.requires_grad) for child in children]
+        idle = [index for index, stage_range in enumerate(stage_layer_ranges(balance))
+                if sum(trainable[i] for i in stage_range) == 0]
+        if idle:
+            raise PipelineConfigError(
+                f"Pipeline stage(s) {idle} would hold no trainable parameter, and an optimizer needs at least one. "
+                f"Layers of `{name}` per stage: {balance}; trainable parameters per layer: {trainable}. Pass "
+                f"PipelineParallelStrategy(balance=[...]) so that every stage gets a layer with trainable weights, "
+                f"or use fewer devices."
+            )
 
     # ------------------------------------------------------------------------------------------------ the step
 
@@ -528,6 +558,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         weights = [size / total / accumulation for size in sizes]
         first, last = self.stage == 0, self.stage == self.num_stages - 1
         outputs: dict[int, Any] = {}  # the last stage's step outputs (training: loss values)
+        extras: dict[int, dict[str, Any]] = {}  # training: the other entries of a dict training_step returned
         scaler = self._grad_scaler() if training else None
 
         def forward(mb: int, received: Tensor | None) -> Tensor:
@@ -560,6 +591,8 @@ class PipelineParallelStrategy(ParallelStrategy):
                     f"supported)."
                 )
             outputs[mb] = loss.detach()  # read once after the step: a read per micro-batch would stall a GPU
+            if isinstance(output, Mapping) and len(output) > 1:
+                extras[mb] = {k: v.detach() if isinstance(v, Tensor) else v for k, v in output.items() if k != "loss"}
             return scaler.scale(loss * weights[mb]) if scaler is not None else loss * weights[mb]
 
         schedule = self._schedule(len(microbatches), forward_only=not training)
@@ -572,7 +605,8 @@ class PipelineParallelStrategy(ParallelStrategy):
             for p in params:
                 p.grad = None
             self.last_schedule = schedule
-        with _stage_rng(self.stage):
+        self._steps_run += 1
+        with _stage_rng(self.stage, self._steps_run):
             run_stage(
                 schedule.actions[self.stage],
                 forward,
@@ -589,6 +623,7 @@ class PipelineParallelStrategy(ParallelStrategy):
                 p.grad = grad
 
         result: Any = None
+        extra: dict[str, Any] | None = None
         records: list[LogRecord] = []
         if last:
             records = self._log_recorder.combine(sizes)
@@ -596,16 +631,21 @@ class PipelineParallelStrategy(ParallelStrategy):
                 order = sorted(outputs)
                 losses = torch.stack([outputs[mb] for mb in order]).double().tolist()
                 result = sum(loss * sizes[mb] for loss, mb in zip(losses, order, strict=True)) / total
+                if extras:
+                    extra = move_data_to_device(merge_microbatches([extras[mb] for mb in order], sizes),
+                                                torch.device("cpu"))
             else:
                 result = move_data_to_device(merge_microbatches([outputs[mb] for mb in sorted(outputs)], sizes),
                                              torch.device("cpu"))
-        result, records = self._from_last_stage((result, records))
+        result, extra, records = self._from_last_stage((result, extra, records))
         replay(module, records)
         if events is not None and self.timing_sink is not None:
             self.timing_sink(events, total)
-        if training:
-            return torch.tensor(result, dtype=torch.get_default_dtype(), device=self.root_device)
-        return move_data_to_device(result, self.root_device)
+        if not training:
+            return move_data_to_device(result, self.root_device)
+        loss = torch.tensor(result, dtype=torch.get_default_dtype(), device=self.root_device)
+        # what training_step returned on one device: the loss, and any other entries merged over micro-batches
+        return {"loss": loss, **move_data_to_device(extra, self.root_device)} if extra else loss
 
     def _from_last_stage(self, payload: Any) -> Any:
         if self.num_stages == 1:
@@ -704,11 +744,16 @@ class PipelineParallelStrategy(ParallelStrategy):
         return gathered or []
 
     def _own_state(self) -> dict[str, Tensor]:
-        """The state entries this stage holds alone (its layers), plus, on stage 0, everything replicated."""
+        """The state entries this stage holds alone (its layers), plus, on the last stage, everything replicated.
+
+        Replicated parameters are equal on every stage, but buffers are not: modules after the sequential (a
+        BatchNorm head, say) run only on the last stage, which also runs those before it, so its copies are current.
+        """
         assert self.lightning_module is not None and self._stage_module is not None
         prefix = self._stage_module.attribute + "."
+        last = self.stage == self.num_stages - 1
         return {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()
-                if k.startswith(prefix) or self.stage == 0}
+                if k.startswith(prefix) or last}
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -818,6 +863,7 @@ class PipelineParallelStrategy(ParallelStrategy):
             for group in self._p2p.groups:
                 dist.destroy_process_group(group)
         self._p2p = None
+        self._log_recorder.detach()
         super().teardown()
 
 

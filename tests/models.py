@@ -181,6 +181,82 @@ class Lifecycle(MLPClassifier):
         return make_data("mlp", batch_size=5, batches=2, seed=97)
 
 
+class Everyday(L.LightningModule):
+    """What a user writes without pipelines in mind: shuffled data, macro-averaged accuracy logged per step and per
+    epoch, AUROC (list states) in validation, and extra entries in training_step's dict read by a hook."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from torchmetrics.classification import MulticlassAccuracy, MulticlassAUROC
+
+        self.inp = nn.Linear(10, 16)
+        self.layers = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
+        self.head = nn.Linear(16, 5)
+        self.train_acc = MulticlassAccuracy(num_classes=5)  # average="macro", the default
+        self.val_auroc = MulticlassAUROC(num_classes=5)
+        self.batch_end_outputs: list[tuple[int, list[str], torch.Tensor]] = []
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers(torch.relu(self.inp(x))))
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        x, y = batch
+        logits = self(x)
+        loss = nn.functional.cross_entropy(logits, y)
+        self.train_acc(logits, y)
+        self.log("train_loss", loss, prog_bar=True)
+        self.log("train_acc", self.train_acc, on_step=True, on_epoch=True, prog_bar=True)
+        return {"loss": loss, "preds": logits.argmax(-1)}
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self.batch_end_outputs.append((batch_idx, sorted(outputs), outputs["preds"].cpu()))
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        logits = self(x)
+        self.val_auroc.update(logits, y)
+        self.log("val_auroc", self.val_auroc)
+        self.log("val_loss", nn.functional.cross_entropy(logits, y))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.2)
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(5)
+        x, y = torch.randn(32, 10, generator=generator), torch.randint(0, 5, (32,), generator=generator)
+        dataset = TensorDataset(x, y)
+        return DataLoader(dataset, batch_size=8, shuffle=True)  # the sampler draws from the global generator
+
+    def val_dataloader(self) -> DataLoader:
+        return make_data("mlp", batches=2, seed=99)
+
+
+class BatchNormHead(MLPClassifier):
+    """A BatchNorm after the sequential: its running statistics change only where it runs (the last stage)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.norm = nn.BatchNorm1d(16)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(self.layers(torch.relu(self.inp(x)))))
+
+
+class ParameterlessStage(L.LightningModule):
+    """Everything in the sequential; with 2 stages its second half has no weights to optimize."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(10, 5), nn.Tanh(), nn.Identity(), nn.Flatten())
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.layers(x), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
 def _example_gpt() -> Any:
     """The GPT-style module of examples/train_gpt.py (attention, position embedding, head tied to the embedding)."""
     import sys
@@ -209,7 +285,7 @@ MODELS: dict[str, Callable[[], L.LightningModule]] = {
     "mlp": MLPClassifier, "tied": TiedLM, "two_sequentials": TwoSequentials, "too_few_layers": TooFewLayers,
     "manual": ManualOptimization, "no_sequential_call": NoSequentialCall, "sequential_in_hook": SequentialInHook,
     "inf_on_one_stage": InfOnOneStage,
-    "lifecycle": Lifecycle,
+    "lifecycle": Lifecycle, "everyday": Everyday, "bn_head": BatchNormHead, "parameterless_stage": ParameterlessStage,
     "gpt": lambda: _example_gpt().GPT(vocab_size=len(set(_example_gpt().make_corpus(4000)))),
 }
 
@@ -234,7 +310,8 @@ def fit(model_name: str, strategy: Any = "auto", devices: int = 1, max_steps: in
         **{"log_every_n_steps": 1, "enable_checkpointing": False, "enable_progress_bar": False,
            "enable_model_summary": False, "num_sanity_val_steps": 0, **trainer_kwargs},
     )  # fmt: skip
-    trainer.fit(model, make_data(model_name, batch_size=batch_size), ckpt_path=ckpt_path)
+    data = None if model_name == "everyday" else make_data(model_name, batch_size=batch_size)  # its own loader
+    trainer.fit(model, data, ckpt_path=ckpt_path)
     if save_to is not None:
         trainer.save_checkpoint(save_to)
     return model, logger

@@ -37,7 +37,8 @@ def train(model: str, max_steps: int = 4, batch_size: int = 8, trainer: dict[str
     return {"state": {k: v.detach().clone() for k, v in module.state_dict().items()}, "history": logger.history,
             "callback_metrics": {k: float(v) for k, v in module.trainer.callback_metrics.items()},
             "scale": scaler.get_scale() if scaler is not None else None,
-            "grads": recorder.grads if recorder is not None else None}
+            "grads": recorder.grads if recorder is not None else None,
+            "batch_end_outputs": getattr(module, "batch_end_outputs", None)}
 
 
 def expect_error(model: str, trainer: dict[str, Any] | None = None, **strategy: Any) -> dict[str, str]:

@@ -17,6 +17,7 @@ def test_configuration_errors_on_every_rank() -> None:
         {"scenario": "expect_error", "kwargs": {"model": "manual"}},
         {"scenario": "expect_error", "kwargs": {"model": "mlp", "microbatches": 16}},
         {"scenario": "expect_error", "kwargs": {"model": "sequential_in_hook"}},
+        {"scenario": "expect_error", "kwargs": {"model": "parameterless_stage"}},
     ]
     expected = [
         r"balance=[3, 3] sums to 6 but the sequential has 8 layers",
@@ -27,6 +28,9 @@ def test_configuration_errors_on_every_rank() -> None:
         r"uses manual optimization",
         r"A batch of 8 samples cannot be split into 16 micro-batches",
         r"it can only be called inside a pipelined training, validation, test or predict step, not from other hooks",
+        r"Pipeline stage(s) [1] would hold no trainable parameter, and an optimizer needs at least one. Layers of "
+        r"`layers` per stage: [2, 2]; trainable parameters per layer: [55, 0, 0, 0]. Pass "
+        r"PipelineParallelStrategy(balance=[...])",
     ]
     ranks = launch(2, runs, timeout=200)
     for rank in ranks:

@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import models
 import pytest
 import torch
 from _launch import launch
-from test_equivalence import ATOL, RTOL, assemble
+from test_equivalence import ATOL, RTOL, assemble, assert_matches, prefixed
 
 
 @cache
@@ -47,3 +48,41 @@ def test_validation_test_predict_and_metrics_match_single_device(world_size: int
             for got, want in zip(result["predict"], expected["predict"], strict=True):
                 torch.testing.assert_close(got["probs"], want["probs"], rtol=RTOL, atol=ATOL)
                 assert torch.equal(got["label"], want["label"])
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_module_written_without_pipelines_in_mind_matches_single_device(world_size: int) -> None:
+    """Shuffled epochs, macro-averaged accuracy per step and epoch, AUROC (list states), and the extra entries of
+    training_step's dict as on_train_batch_end sees them: all as on one device, on every rank."""
+    module, logger = models.fit("everyday", max_steps=-1, max_epochs=3)
+    expected = {"state": {k: v.detach().clone() for k, v in module.state_dict().items()}, "history": logger.history}
+    expected_metrics = {k: float(v) for k, v in module.trainer.callback_metrics.items()}
+    runs = [{"scenario": "train", "kwargs": {"model": "everyday", "max_steps": -1, "max_epochs": 3,
+                                             "schedule": s, "microbatches": m}}
+            for s, m in [("1f1b", 4), ("gpipe", 3)]]
+    ranks = launch(world_size, runs, timeout=400)
+    for index, run in enumerate(runs):
+        label = f"{world_size} stages {run['kwargs']}"
+        full, history = assemble(ranks, index)
+        assert_matches(full, history, expected, label)
+        assert {k for _, m in history for k in m} >= {"train_acc_step", "train_acc_epoch", "val_auroc"}, label
+        for rank in ranks:
+            result = rank.results[index]
+            assert_same_metrics(result["callback_metrics"], expected_metrics, label)
+            got_outputs = result["batch_end_outputs"]
+            assert len(got_outputs) == len(module.batch_end_outputs), label
+            for got, want in zip(got_outputs, module.batch_end_outputs, strict=True):
+                assert got[:2] == want[:2] and torch.equal(got[2], want[2]), (label, got, want)
+
+
+def test_buffers_outside_the_sequential_are_saved_from_the_stage_that_updates_them(tmp_path: Path) -> None:
+    """A BatchNorm head runs only on the last stage; the full checkpoint must hold its running statistics."""
+    module, _ = models.fit("bn_head", max_steps=4)
+    path = str(tmp_path / "bn.ckpt")
+    ranks = launch(2, [{"scenario": "train", "kwargs": {"model": "bn_head", "max_steps": 4, "schedule": "1f1b",
+                                                         "microbatches": 1, "save_to": path}}], timeout=200)
+    assert not any(rank.errors for rank in ranks), [rank.errors for rank in ranks]
+    saved = torch.load(path, weights_only=True)["state_dict"]
+    assert int(saved["norm.num_batches_tracked"]) == 4
+    for name, value in module.state_dict().items():
+        torch.testing.assert_close(saved[name], value, rtol=RTOL, atol=ATOL, msg=prefixed(name))
