@@ -18,11 +18,11 @@ schedules ``--schedules``; ``--stages`` stages, 8 micro-batches):
    of the difference is the allocator.
 4. **single process**: the whole model in one process, plain PyTorch loop over the whole batch (no micro-batches).
 
-``--device`` picks where: ``cpu`` runs every process with one thread (``OMP_NUM_THREADS=1``,
-``torch.set_num_threads(1)``) over gloo; ``cuda`` gives rank ``r`` GPU ``r`` and uses NCCL (the single process runs
-on GPU 0). The default is ``cuda`` when at least 2 GPUs are visible, else ``cpu``. The default stage counts are 2,
-and 4 where the machine has 4 cores (CPU: one per process) or 4 GPUs. The multi-process runs are launched as
-subprocesses the way torchrun would (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``,
+Every process runs with one CPU thread (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``). ``--device`` picks
+where: ``cpu`` computes there and communicates over gloo; ``cuda`` gives rank ``r`` GPU ``r`` and uses NCCL (the
+single process runs on GPU 0). The default is ``cuda`` when at least 2 GPUs are visible, else ``cpu``. The default
+stage counts are 2, and 4 where the machine has 4 cores (CPU: one per process) or 4 GPUs. The multi-process runs are
+launched as subprocesses the way torchrun would (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``,
 ``NODE_RANK``); Lightning sees an external launcher because ``LOCAL_RANK`` is set.
 
 Definitions (``p`` stages, ``m`` micro-batches, ``T_single`` the single-process median step time):
@@ -68,7 +68,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable, Iterator
-from contextlib import contextmanager
+from contextlib import contextmanager, nullcontext
 from pathlib import Path
 from typing import Any
 
@@ -284,13 +284,11 @@ def worker_single(run: dict[str, Any]) -> dict[str, Any]:
     for i, batch in enumerate(batches):
         synchronize(device)
         start = time.perf_counter()
-        if i == run["warmup"]:
-            with meter.measure():
-                loss_of(batch).backward()
-        else:
+        metered = meter.measure() if i == run["warmup"] else nullcontext()
+        with metered:  # the whole step, as for the pipelines (the optimizer's temporaries count on a GPU)
             loss_of(batch).backward()
-        opt.step()
-        opt.zero_grad()
+            opt.step()
+            opt.zero_grad()
         synchronize(device)
         if i != run["warmup"]:  # the metered step pays for the hooks
             times.append(time.perf_counter() - start)
@@ -445,7 +443,8 @@ def worker_main(kind: str, spec_path: str, out_dir: str) -> None:
             from lightning_pp._allocator import keep_freed_cpu_memory
 
             keep_freed_cpu_memory()
-        dist.init_process_group("nccl" if on_gpu else "gloo", rank=rank, world_size=world)
+        device_id = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if on_gpu else None
+        dist.init_process_group("nccl" if on_gpu else "gloo", rank=rank, world_size=world, device_id=device_id)
     results: list[dict[str, Any]] = []
     try:
         for run in spec["runs"]:
@@ -686,8 +685,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.stages is None:
         args.stages = [2, 4] if capacity >= 4 else [2]
     if args.device == "cuda" and max(args.stages) > gpus:
+        fitting = " ".join(str(p) for p in args.stages if p <= gpus)
         parser.error(f"--stages {max(args.stages)} on --device cuda needs one GPU per stage, but {gpus} are visible; "
-                     f"pass --stages {' '.join(str(p) for p in args.stages if p <= gpus) or '...'} or --device cpu")
+                     f"{f'pass --stages {fitting} or ' if fitting else ''}use --device cpu")
     if args.device == "cpu" and max(args.stages) > capacity:
         print(f"warning: {max(args.stages)} stages on {capacity} cores: the processes share cores, so that row "
               f"measures oversubscription rather than the pipeline", file=sys.stderr)

@@ -23,7 +23,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from torch.utils.hooks import RemovableHandle
+from lightning.fabric.utilities import move_data_to_device
 from torchmetrics import Metric
 
 from lightning_pp.errors import PipelineConfigError
@@ -46,27 +46,31 @@ class MetricRef:
 LogRecord = tuple[str, "float | MetricRef", dict[str, Any]]
 
 
-class MetricStateFromLastStage:
-    """A torchmetrics ``dist_sync_fn`` that gives every stage the last stage's copy of a metric state.
+class _StateFromLastStage:
+    """Stands in for a metric's ``_sync_dist``: every stage takes the last stage's whole state, in one broadcast.
 
-    It returns a one-element "gather", so the state's own reduction (sum, cat, min, ...) keeps the last stage's state
-    as it is, on every stage; each state is broadcast as an object, since list states differ in shape per stage.
+    The last stage's state is the pipeline's (the stages are not data-parallel replicas; the others never update), so
+    the state's own reduction (sum, cat, ...) is not applied. One broadcast per metric keeps the collectives equal on
+    every stage whatever its states are (torchmetrics' all-gather runs one per list element, which differs per stage).
     """
 
-    def __init__(self, source_rank: int) -> None:
+    def __init__(self, metric: Metric, source_rank: int) -> None:
+        self.metric = metric
         self.source_rank = source_rank
 
-    def __call__(self, tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
-        box = [tensor.detach().cpu() if dist.get_rank() == self.source_rank else None]
+    def __call__(self, dist_sync_fn: Any = None, process_group: Any = None) -> None:
+        mine = dist.get_rank() == self.source_rank
+        box = [move_data_to_device(self.metric.metric_state, torch.device("cpu")) if mine else None]
         dist.broadcast_object_list(box, src=self.source_rank)
         state = box[0]
         assert state is not None
-        return [state.to(tensor.device)]
+        for name, value in state.items():
+            setattr(self.metric, name, move_data_to_device(value, self.metric.device))
 
 
-def _keep_local_state(tensor: torch.Tensor, group: Any = None) -> list[torch.Tensor]:
-    """A torchmetrics ``dist_sync_fn`` that gathers from this process only."""
-    return [tensor]
+def _not_distributed() -> bool:
+    """A torchmetrics ``distributed_available_fn``: compute from this process's state alone."""
+    return False
 
 
 class LogRecorder:
@@ -74,41 +78,27 @@ class LogRecorder:
 
     def __init__(self) -> None:
         self._calls: list[tuple[int, str, torch.Tensor | MetricRef, dict[str, Any]]] = []
-        self._recording = False
+        self._metrics: list[Metric] = []  # the module's metrics, watched during recording
         self._logged_metrics: dict[str, Metric] = {}  # attribute path -> metric logged in this step
         # id(metric) -> its copy updated with this step's micro-batches (the step value is computed from it); by id
         # because a Metric's hash follows its state
         self._step_copies: dict[int, Metric] = {}
         self._updated: set[int] = set()
-        self._attached: list[tuple[Metric, Any, bool, RemovableHandle]] = []
 
     def attach(self, module: pl.LightningModule, last_stage_rank: int | None) -> None:
         """Watch the module's metrics; with ``last_stage_rank``, sync their states from that rank (see module doc)."""
         self.detach()
-        recorder = self
-
-        # a plain function, not a bound method: a deep copy of the metric (Metric.clone) then shares it
-        def on_metric_forward(metric: Metric, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-            if recorder._recording:
-                recorder._step_copy(metric).update(*args, **kwargs)
-
-        for metric in module.modules():
-            if not isinstance(metric, Metric):
-                continue
-            saved = (metric, metric.dist_sync_fn, metric.dist_sync_on_step)
-            if last_stage_rank is not None:
-                if metric.dist_sync_fn is None:
-                    metric.dist_sync_fn = MetricStateFromLastStage(last_stage_rank)
-                metric.dist_sync_on_step = False  # one pipeline has no replicas to sync a step's value with
-            handle = metric.register_forward_hook(on_metric_forward, with_kwargs=True)
-            self._attached.append((*saved, handle))
+        self._metrics = [m for m in module.modules() if isinstance(m, Metric)]
+        if last_stage_rank is None:
+            return
+        for metric in self._metrics:
+            metric._sync_dist = _StateFromLastStage(metric, last_stage_rank)  # type: ignore[method-assign]
 
     def detach(self) -> None:
         """Undo :meth:`attach`."""
-        for metric, sync_fn, sync_on_step, handle in self._attached:
-            metric.dist_sync_fn, metric.dist_sync_on_step = sync_fn, sync_on_step
-            handle.remove()
-        self._attached.clear()
+        for metric in self._metrics:
+            metric.__dict__.pop("_sync_dist", None)
+        self._metrics = []
         self._step_copies.clear()
         self._updated.clear()
 
@@ -116,7 +106,10 @@ class LogRecorder:
         copy = self._step_copies.get(id(metric))
         if copy is None:
             copy = metric.clone()
-            copy.dist_sync_fn = _keep_local_state  # the step's value is this stage's alone: no collective
+            for part in copy.modules():  # nested metrics (compositions, wrappers) too
+                if isinstance(part, Metric):
+                    part.__dict__.pop("_sync_dist", None)
+                    part.distributed_available_fn = _not_distributed  # the step's value is this stage's alone
             copy.reset()
             self._step_copies[id(metric)] = copy
         self._updated.add(id(metric))
@@ -131,9 +124,16 @@ class LogRecorder:
 
     @contextmanager
     def recording(self, module: pl.LightningModule, microbatch: int | None) -> Iterator[None]:
-        """Within the block, ``module.log`` records (``microbatch`` None: discards) instead of logging."""
+        """Within the block, ``module.log`` records (``microbatch`` None: discards) instead of logging, and each
+        metric's forward also updates the metric's step copy."""
+        recorder = self
 
-        self._recording = microbatch is not None
+        # a plain function, not a bound method: a deep copy of the metric (Metric.clone) shares it, not the recorder
+        def on_metric_forward(metric: Metric, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+            recorder._step_copy(metric).update(*args, **kwargs)
+
+        hooks = ([m.register_forward_hook(on_metric_forward, with_kwargs=True) for m in self._metrics]
+                 if microbatch is not None else [])
 
         def log(*args: Any, **kwargs: Any) -> None:
             bound = _LOG_SIGNATURE.bind(module, *args, **kwargs)
@@ -167,7 +167,8 @@ class LogRecorder:
             yield
         finally:
             del module.log
-            self._recording = False
+            for hook in hooks:
+                hook.remove()
 
     def combine(self, microbatch_sizes: list[int]) -> list[LogRecord]:
         """One record per key: micro-batch values reduced with the key's ``reduce_fx``."""
@@ -211,12 +212,19 @@ def _weighted_mean(values: torch.Tensor, weights: list[float]) -> float:
     return float((values * weight).sum() / weight.sum())
 
 
-def replay(module: pl.LightningModule, records: list[LogRecord]) -> None:
-    """Call ``module.log`` once per record, with the combined value (or this stage's copy of the metric)."""
+def replay(module: pl.LightningModule, records: list[LogRecord], updated_here: bool) -> None:
+    """Call ``module.log`` once per record, with the combined value (or this stage's copy of the metric).
+
+    On stages where the metrics were not updated (all but the last), a logged metric is marked as updated, as it was
+    on the last stage: its next ``compute`` then syncs afresh instead of warning about a missing update.
+    """
     for name, value, options in records:
         if isinstance(value, MetricRef):
             metric = module.get_submodule(value.attribute)
             assert isinstance(metric, Metric)
+            if not updated_here:
+                metric._update_count += 1
+                metric._computed = None
             if value.forward_value is not None:
                 metric._forward_cache = torch.tensor(value.forward_value, device=module.device)  # type: ignore[assignment]
             module.log(name, metric, **options)

@@ -112,7 +112,9 @@ def run_stage(
             if is_last:
                 torch.autograd.backward(output)
             else:
-                torch.autograd.backward(output, output_grads.pop(mb))
+                output_grad = output_grads.pop(mb)
+                if output.requires_grad:  # else: frozen layers fed by an input without gradient, nothing to do
+                    torch.autograd.backward(output, output_grad)
             received = inputs.pop(mb, None)
             if received is not None:
                 input_grads[mb] = received.grad if received.grad is not None else torch.zeros_like(received)

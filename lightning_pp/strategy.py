@@ -381,12 +381,12 @@ class PipelineParallelStrategy(ParallelStrategy):
                 f"PipelineParallelStrategy does not support: the schedule runs forward and backward itself. Use "
                 f"automatic optimization, where Lightning calls the optimizers after the pipelined step."
             )
-        self._partition(module, training=trainer.state.fn == TrainerFn.FITTING)
+        self._partition(module)
         assert self.model is not None
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         if trainer.state.fn == TrainerFn.FITTING:
-            self.setup_optimizers(trainer)
+            self._setup_optimizers_on_every_stage(trainer)
         self.setup_precision_plugin()
         # Lightning clips by the norm of this stage's gradients; the right norm spans every stage
         self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
@@ -403,6 +403,38 @@ class PipelineParallelStrategy(ParallelStrategy):
             # one group for activations, one for gradients (see StageP2P); new_group is collective: every rank calls it
             groups = (self._new_group(), self._new_group())
             self._p2p = StageP2P(self.stage, list(range(self.num_stages)), self.root_device, self.timeout, groups)
+
+    def _setup_optimizers_on_every_stage(self, trainer: pl.Trainer) -> None:
+        """``configure_optimizers`` sees only this stage's parameters, so it may fail on some stages alone (an empty
+        parameter list): make any stage's failure an error on every stage, so that no rank is left waiting."""
+        error: Exception | None = None
+        try:
+            self.setup_optimizers(trainer)
+        except Exception as caught:
+            if self.num_stages == 1:
+                raise
+            error = caught
+        if self.num_stages == 1:
+            return
+        stage_module = self._stage_module
+        assert stage_module is not None and self.lightning_module is not None
+        report = None
+        if error is not None:
+            params = list(self.lightning_module.parameters())
+            total, trainable = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+            report = (f"stage {self.stage} ({type(error).__name__}: {error}; it holds layers "
+                      f"{list(stage_module._modules)} of `{stage_module.attribute}` and {total} parameters, "
+                      f"{trainable} trainable, counting those outside the sequential)")
+        reports: list[str | None] = [None] * self.num_stages
+        dist.all_gather_object(reports, report)
+        failed = [r for r in reports if r is not None]
+        if failed:
+            raise PipelineConfigError(
+                f"configure_optimizers failed on {len(failed)} pipeline stage(s): {'; '.join(failed)}. Each stage's "
+                f"optimizer gets only that stage's parameters; a stage without any (or, when configure_optimizers "
+                f"keeps only parameters with requires_grad, without trainable ones) gets an empty list. Pass "
+                f"PipelineParallelStrategy(balance=[...]) so that every stage holds layers with trainable weights."
+            ) from error
 
     @override
     def model_to_device(self) -> None:
@@ -432,7 +464,7 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------------------------------------ partitioning
 
-    def _partition(self, module: pl.LightningModule, training: bool) -> None:
+    def _partition(self, module: pl.LightningModule) -> None:
         """Keep only this stage's layers of the sequential; everything else stays, replicated on every stage."""
         name, sequential = _find_sequential(module, self._sequential_name)
         if isinstance(sequential, _StageSequential):
@@ -450,8 +482,6 @@ class PipelineParallelStrategy(ParallelStrategy):
                 else uniform_balance(len(layers), self.num_stages)
             )
             self._check_no_shared_parameters(module, name, sequential, balance)
-            if training:
-                self._check_every_stage_trains(module, name, sequential, balance)
             local = stage_layer_ranges(balance)[self.stage]
             stage_module = _StageSequential(
                 OrderedDict(layers[i] for i in local), self.stage, self.num_stages, name,
@@ -488,26 +518,6 @@ class PipelineParallelStrategy(ParallelStrategy):
                     f"Parameter `{param_name}` is shared with a layer of `{name}`; a weight inside the partitioned "
                     f"sequential cannot also be used outside it. Move the tied layer out of `{name}`."
                 )
-
-    @staticmethod
-    def _check_every_stage_trains(
-        module: nn.Module, name: str, sequential: nn.Sequential, balance: list[int]
-    ) -> None:
-        """Each stage's optimizer needs a trainable parameter: its layers' or one outside the sequential."""
-        inside = {id(p) for p in sequential.parameters()}
-        if any(p.requires_grad and id(p) not in inside for p in module.parameters()):
-            return  # replicated on every stage
-        children = list(sequential.children())
-        trainable = [sum(p.numel() for p in child.parameters() if p.requires_grad) for child in children]
-        idle = [index for index, stage_range in enumerate(stage_layer_ranges(balance))
-                if sum(trainable[i] for i in stage_range) == 0]
-        if idle:
-            raise PipelineConfigError(
-                f"Pipeline stage(s) {idle} would hold no trainable parameter, and an optimizer needs at least one. "
-                f"Layers of `{name}` per stage: {balance}; trainable parameters per layer: {trainable}. Pass "
-                f"PipelineParallelStrategy(balance=[...]) so that every stage gets a layer with trainable weights, "
-                f"or use fewer devices."
-            )
 
     # ------------------------------------------------------------------------------------------------ the step
 
@@ -638,7 +648,7 @@ class PipelineParallelStrategy(ParallelStrategy):
                 result = move_data_to_device(merge_microbatches([outputs[mb] for mb in sorted(outputs)], sizes),
                                              torch.device("cpu"))
         result, extra, records = self._from_last_stage((result, extra, records))
-        replay(module, records)
+        replay(module, records, updated_here=last)
         if events is not None and self.timing_sink is not None:
             self.timing_sink(events, total)
         if not training:

@@ -11,6 +11,7 @@ from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
+from torchmetrics import Metric
 
 
 class RecordingLogger(Logger):
@@ -181,9 +182,24 @@ class Lifecycle(MLPClassifier):
         return make_data("mlp", batch_size=5, batches=2, seed=97)
 
 
+class SamplesSeen(Metric):
+    """A custom metric with a list state that torchmetrics does not concatenate (``dist_reduce_fx=None``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.add_state("counts", default=[], dist_reduce_fx=None)
+
+    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
+        self.counts.append(torch.tensor(float(target.numel())))
+
+    def compute(self) -> torch.Tensor:
+        return torch.stack(list(self.counts)).sum()
+
+
 class Everyday(L.LightningModule):
-    """What a user writes without pipelines in mind: shuffled data, macro-averaged accuracy logged per step and per
-    epoch, AUROC (list states) in validation, and extra entries in training_step's dict read by a hook."""
+    """What a user writes without pipelines in mind: shuffled data; macro-averaged accuracy and a sum of two metrics
+    logged per step and per epoch; AUROC and a custom metric (list states) in validation; extra entries in
+    training_step's dict read by a hook."""
 
     def __init__(self) -> None:
         super().__init__()
@@ -193,7 +209,9 @@ class Everyday(L.LightningModule):
         self.layers = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
         self.head = nn.Linear(16, 5)
         self.train_acc = MulticlassAccuracy(num_classes=5)  # average="macro", the default
+        self.train_mixed = MulticlassAccuracy(num_classes=5, average="micro") + MulticlassAccuracy(num_classes=5)
         self.val_auroc = MulticlassAUROC(num_classes=5)
+        self.val_seen = SamplesSeen()
         self.batch_end_outputs: list[tuple[int, list[str], torch.Tensor]] = []
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -206,6 +224,8 @@ class Everyday(L.LightningModule):
         self.train_acc(logits, y)
         self.log("train_loss", loss, prog_bar=True)
         self.log("train_acc", self.train_acc, on_step=True, on_epoch=True, prog_bar=True)
+        self.train_mixed(logits, y)
+        self.log("train_mixed", self.train_mixed, on_step=True, on_epoch=True)
         return {"loss": loss, "preds": logits.argmax(-1)}
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
@@ -215,7 +235,9 @@ class Everyday(L.LightningModule):
         x, y = batch
         logits = self(x)
         self.val_auroc.update(logits, y)
+        self.val_seen.update(logits, y)
         self.log("val_auroc", self.val_auroc)
+        self.log("val_seen", self.val_seen)
         self.log("val_loss", nn.functional.cross_entropy(logits, y))
 
     def configure_optimizers(self) -> Any:
@@ -240,6 +262,16 @@ class BatchNormHead(MLPClassifier):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return self.head(self.norm(self.layers(torch.relu(self.inp(x)))))
+
+
+class FrozenFront(MLPClassifier):
+    """Fine-tuning: the input projection and the first half of the sequential are frozen, so with 2 stages the first
+    stage has nothing to back-propagate."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        for module in (self.inp, *list(self.layers)[:4]):
+            module.requires_grad_(False)
 
 
 class ParameterlessStage(L.LightningModule):
@@ -286,6 +318,7 @@ MODELS: dict[str, Callable[[], L.LightningModule]] = {
     "manual": ManualOptimization, "no_sequential_call": NoSequentialCall, "sequential_in_hook": SequentialInHook,
     "inf_on_one_stage": InfOnOneStage,
     "lifecycle": Lifecycle, "everyday": Everyday, "bn_head": BatchNormHead, "parameterless_stage": ParameterlessStage,
+    "frozen_front": FrozenFront,
     "gpt": lambda: _example_gpt().GPT(vocab_size=len(set(_example_gpt().make_corpus(4000)))),
 }
 

@@ -16,12 +16,12 @@ LOSS_TOL = 1e-5
 SCHEDULE_NAMES = ["naive", "gpipe", "1f1b"]
 
 
-@cache
 def prefixed(prefix: str) -> Callable[[str], str]:
     """An ``assert_close`` message that keeps torch's mismatch report and says which tensor it is."""
     return lambda message: f"{prefix}: {message}"
 
 
+@cache
 def reference(model: str, max_steps: int = 4, batch_size: int = 8, **trainer: Any) -> dict[str, Any]:
     module, logger = fit(model, max_steps=max_steps, batch_size=batch_size, **trainer)
     return {"state": {k: v.detach().clone() for k, v in module.state_dict().items()}, "history": logger.history}
@@ -72,16 +72,19 @@ def test_every_schedule_matches_single_device(world_size: int) -> None:
         assert_matches(full, history, reference(run["kwargs"]["model"]), label)
 
 
-def test_balance_accumulation_and_uneven_batches() -> None:
-    """A custom balance, accumulate_grad_batches=2, and a batch of 7 split into 2 micro-batches of 4 and 3."""
+def test_balance_accumulation_uneven_batches_and_frozen_layers() -> None:
+    """A custom balance, accumulate_grad_batches=2, a batch of 7 split into 2 micro-batches of 4 and 3, and a first
+    stage whose weights are all frozen."""
     runs = [
         {"scenario": "train", "kwargs": {"model": "mlp", "schedule": "1f1b", "microbatches": 2, "balance": [2, 6]}},
         {"scenario": "train", "kwargs": {"model": "mlp", "schedule": "gpipe", "microbatches": 2,
                                          "trainer": {"accumulate_grad_batches": 2}}},
         {"scenario": "train", "kwargs": {"model": "mlp", "schedule": "1f1b", "microbatches": 2, "batch_size": 7}},
+        {"scenario": "train", "kwargs": {"model": "frozen_front", "schedule": "1f1b", "microbatches": 2}},
     ]
     ranks = launch(2, runs, timeout=300)
-    expected = [reference("mlp"), reference("mlp", accumulate_grad_batches=2), reference("mlp", batch_size=7)]
+    expected = [reference("mlp"), reference("mlp", accumulate_grad_batches=2), reference("mlp", batch_size=7),
+                reference("frozen_front")]
     for index, run in enumerate(runs):
         full, history = assemble(ranks, index)
         assert_matches(full, history, expected[index], str(run["kwargs"]))

@@ -52,8 +52,8 @@ def test_validation_test_predict_and_metrics_match_single_device(world_size: int
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_module_written_without_pipelines_in_mind_matches_single_device(world_size: int) -> None:
-    """Shuffled epochs, macro-averaged accuracy per step and epoch, AUROC (list states), and the extra entries of
-    training_step's dict as on_train_batch_end sees them: all as on one device, on every rank."""
+    """Shuffled epochs, metrics of every kind (macro average, a sum of metrics, list states), and the extra entries
+    of training_step's dict as on_train_batch_end sees them: all as on one device, on every rank."""
     module, logger = models.fit("everyday", max_steps=-1, max_epochs=3)
     expected = {"state": {k: v.detach().clone() for k, v in module.state_dict().items()}, "history": logger.history}
     expected_metrics = {k: float(v) for k, v in module.trainer.callback_metrics.items()}
@@ -65,7 +65,8 @@ def test_module_written_without_pipelines_in_mind_matches_single_device(world_si
         label = f"{world_size} stages {run['kwargs']}"
         full, history = assemble(ranks, index)
         assert_matches(full, history, expected, label)
-        assert {k for _, m in history for k in m} >= {"train_acc_step", "train_acc_epoch", "val_auroc"}, label
+        assert {k for _, m in history for k in m} >= {"train_acc_step", "train_acc_epoch", "train_mixed_step",
+                                                      "val_auroc", "val_seen"}, label
         for rank in ranks:
             result = rank.results[index]
             assert_same_metrics(result["callback_metrics"], expected_metrics, label)
