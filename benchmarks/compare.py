@@ -22,8 +22,8 @@ Every process runs with one CPU thread (``OMP_NUM_THREADS=1``, ``torch.set_num_t
 where: ``cpu`` computes there and communicates over gloo; ``cuda`` gives rank ``r`` GPU ``r`` and uses NCCL (the
 single process runs on GPU 0). The default is ``cuda`` when at least 2 GPUs are visible, else ``cpu``. The default
 stage counts are 2, and 4 where the machine has 4 cores (CPU: one per process) or 4 GPUs. The multi-process runs are
-launched as subprocesses the way torchrun would (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``,
-``NODE_RANK``); Lightning sees an external launcher because ``LOCAL_RANK`` is set.
+launched as subprocesses the way torchrun would (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``,
+``LOCAL_RANK``, ``NODE_RANK``); Lightning sees an external launcher because ``LOCAL_RANK`` is set.
 
 Definitions (``p`` stages, ``m`` micro-batches, ``T_single`` the single-process median step time):
 

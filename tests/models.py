@@ -185,6 +185,8 @@ class Lifecycle(MLPClassifier):
 class SamplesSeen(Metric):
     """A custom metric with a list state that torchmetrics does not concatenate (``dist_reduce_fx=None``)."""
 
+    counts: list[torch.Tensor]
+
     def __init__(self) -> None:
         super().__init__()
         self.add_state("counts", default=[], dist_reduce_fx=None)
@@ -193,7 +195,7 @@ class SamplesSeen(Metric):
         self.counts.append(torch.tensor(float(target.numel())))
 
     def compute(self) -> torch.Tensor:
-        return torch.stack(list(self.counts)).sum()
+        return torch.stack(self.counts).sum()
 
 
 class Everyday(L.LightningModule):

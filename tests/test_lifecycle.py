@@ -55,6 +55,7 @@ def test_module_written_without_pipelines_in_mind_matches_single_device(world_si
     """Shuffled epochs, metrics of every kind (macro average, a sum of metrics, list states), and the extra entries
     of training_step's dict as on_train_batch_end sees them: all as on one device, on every rank."""
     module, logger = models.fit("everyday", max_steps=-1, max_epochs=3)
+    assert isinstance(module, models.Everyday)
     expected = {"state": {k: v.detach().clone() for k, v in module.state_dict().items()}, "history": logger.history}
     expected_metrics = {k: float(v) for k, v in module.trainer.callback_metrics.items()}
     runs = [{"scenario": "train", "kwargs": {"model": "everyday", "max_steps": -1, "max_epochs": 3,
