@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import hashlib
 import logging
 import os
@@ -158,6 +159,16 @@ def _stage_rng(stage: int, step_index: int) -> Iterator[None]:
         yield
     finally:
         torch.set_rng_state(before_step)
+
+
+def _destroy_gloo_process_group() -> None:
+    """Registered with ``atexit`` on gloo: shut the process group down while the interpreter is still whole.
+
+    Left to the interpreter's finalisation, gloo's worker threads can release tensors (and so take the GIL) after
+    Python is gone, which now and then aborts the process ("terminate called without an active exception").
+    """
+    if dist.is_initialized() and dist.get_backend() == "gloo":
+        dist.destroy_process_group()
 
 
 def _find_sequential(module: nn.Module, name: str | None) -> tuple[str, nn.Sequential]:
@@ -368,6 +379,10 @@ class PipelineParallelStrategy(ParallelStrategy):
         _compat._init_dist_connection(
             self.cluster_environment, backend, timeout=timedelta(seconds=self.timeout)
         )
+        if backend == "gloo":
+            atexit.unregister(_destroy_gloo_process_group)  # once, however many fits this process runs
+            atexit.register(_destroy_gloo_process_group)
+
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
