@@ -383,7 +383,6 @@ class PipelineParallelStrategy(ParallelStrategy):
             atexit.unregister(_destroy_gloo_process_group)  # once, however many fits this process runs
             atexit.register(_destroy_gloo_process_group)
 
-
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
