@@ -126,11 +126,11 @@ def model_label(model: str, hidden: int) -> str:
     return f"MLP {NUM_LAYERS}x{hidden}"
 
 
-def make_batches(hidden: int, steps: int) -> list[tuple[Any, Any]]:
+def make_batches(hidden: int, steps: int, device: Any = "cpu") -> list[tuple[Any, Any]]:
     import torch
 
     gen = torch.Generator().manual_seed(1)
-    return [(torch.randn(BATCH, hidden, generator=gen), torch.randn(BATCH, hidden, generator=gen))
+    return [(torch.randn(BATCH, hidden, generator=gen).to(device), torch.randn(BATCH, hidden, generator=gen).to(device))
             for _ in range(steps)]
 
 
@@ -223,11 +223,12 @@ def step_memory_meter(module: Any, device: Any) -> SavedTensorMeter | AllocatorP
     return AllocatorPeakMeter(device) if device.type == "cuda" else SavedTensorMeter(param_ptrs(module))
 
 
-def run_device(run: dict[str, Any]) -> Any:
-    """This process's device: GPU ``LOCAL_RANK`` for ``--device cuda``, else the CPU."""
+def run_device(settings: dict[str, Any]) -> Any:
+    """This process's device for the ``"device"`` of ``settings`` (a run or the whole spec): GPU ``LOCAL_RANK`` for
+    ``cuda``, else the CPU."""
     import torch
 
-    if run["device"] == "cuda":
+    if settings["device"] == "cuda":
         return torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
     return torch.device("cpu")
 
@@ -272,7 +273,7 @@ def worker_single(run: dict[str, Any]) -> dict[str, Any]:
     else:
         model = make_layers(run["hidden"]).to(device)
         opt = torch.optim.SGD(model.parameters(), lr=LR)
-        batches = [(x.to(device), y.to(device)) for x, y in make_batches(run["hidden"], run["steps"])]
+        batches = make_batches(run["hidden"], run["steps"], device)
 
         def mse_loss(batch: Any) -> Any:
             return F.mse_loss(model(batch[0]), batch[1])
@@ -308,7 +309,7 @@ def worker_torch(run: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     schedule_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[run["schedule"]]
     schedule = schedule_cls(stage, n_microbatches=MICROBATCHES, loss_fn=F.mse_loss)
     opt = torch.optim.SGD(submodule.parameters(), lr=LR)
-    batches = [(x.to(device), y.to(device)) for x, y in make_batches(run["hidden"], run["steps"] + 1)]
+    batches = make_batches(run["hidden"], run["steps"] + 1, device)
     meter = step_memory_meter(submodule, device)
     is_first, is_last = rank == 0, rank == world - 1
 
@@ -433,9 +434,10 @@ def worker_main(kind: str, spec_path: str, out_dir: str) -> None:
     spec = json.loads(Path(spec_path).read_text())
     rank = int(os.environ.get("RANK", "0"))
     world = int(os.environ.get("WORLD_SIZE", "1"))
-    on_gpu = spec["device"] == "cuda"
+    device = run_device(spec)
+    on_gpu = device.type == "cuda"
     if on_gpu:
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+        torch.cuda.set_device(device)
     if kind.startswith("torch"):
         import torch.distributed as dist
 
@@ -443,8 +445,8 @@ def worker_main(kind: str, spec_path: str, out_dir: str) -> None:
             from lightning_pp._allocator import keep_freed_cpu_memory
 
             keep_freed_cpu_memory()
-        device_id = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0"))) if on_gpu else None
-        dist.init_process_group("nccl" if on_gpu else "gloo", rank=rank, world_size=world, device_id=device_id)
+        dist.init_process_group("nccl" if on_gpu else "gloo", rank=rank, world_size=world,
+                                device_id=device if on_gpu else None)
     results: list[dict[str, Any]] = []
     try:
         for run in spec["runs"]:
