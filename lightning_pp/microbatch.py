@@ -9,7 +9,7 @@ import torch
 
 from lightning_pp.errors import PipelineConfigError
 
-__all__ = ["merge_microbatches", "split_batch"]
+__all__ = ["batch_size", "merge_microbatches", "split_batch"]
 
 
 def _batch_sizes(batch: Any) -> set[int]:
@@ -34,6 +34,17 @@ def _take(batch: Any, num_microbatches: int, index: int) -> Any:
     return batch  # non-tensor leaves (strings, numbers) are shared by every micro-batch
 
 
+def batch_size(batch: Any) -> int:
+    """The common size of dimension 0 of every tensor in ``batch``."""
+    sizes = _batch_sizes(batch)
+    if len(sizes) != 1:
+        raise PipelineConfigError(
+            f"Cannot split the batch into micro-batches: its tensors have first dimensions {sorted(sizes)} but need "
+            f"one common batch dimension. Return tensors whose dimension 0 is the batch from your DataLoader."
+        )
+    return sizes.pop()
+
+
 def split_batch(batch: Any, num_microbatches: int) -> tuple[list[Any], list[int]]:
     """Split every tensor of ``batch`` (nested in dicts, lists, tuples) into ``num_microbatches`` pieces.
 
@@ -41,13 +52,7 @@ def split_batch(batch: Any, num_microbatches: int) -> tuple[list[Any], list[int]
     ``size % num_microbatches`` micro-batches get one extra sample; the strategy weights each micro-batch's loss by
     its share of the samples, so gradients still equal single-device ones for losses that average over the batch.
     """
-    sizes = _batch_sizes(batch)
-    if len(sizes) != 1:
-        raise PipelineConfigError(
-            f"Cannot split the batch into micro-batches: its tensors have first dimensions {sorted(sizes)} but need "
-            f"one common batch dimension. Return tensors whose dimension 0 is the batch from your DataLoader."
-        )
-    (size,) = sizes
+    size = batch_size(batch)
     if size < num_microbatches:
         raise PipelineConfigError(
             f"A batch of {size} samples cannot be split into {num_microbatches} micro-batches. Use a batch size of "

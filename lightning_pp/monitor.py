@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import io
 import json
+import numbers
+import os
 import time
 from collections.abc import Sequence
 from pathlib import Path
@@ -32,6 +34,16 @@ __all__ = ["PipelineMonitor", "draw_timelines", "to_chrome_trace"]
 
 _COLOURS = {FORWARD: "#4c72b0", BACKWARD: "#dd8452", COMM_WAIT: "#c8c8c8", COMM_TRANSFER: "#55a868"}
 _STAGE_KEYS = ("forward_ms", "backward_ms", "comm_wait_ms", "comm_transfer_ms", "idle_ms", "bubble_fraction")
+
+
+def _step_count(name: str, value: object, example: str) -> int:
+    """``value`` as an int, or ``PipelineConfigError`` naming the argument (a bool is refused: ``True`` is no count)."""
+    if isinstance(value, bool) or not isinstance(value, numbers.Integral):
+        raise PipelineConfigError(
+            f"PipelineMonitor({name}={value!r}): {name} must be an int (a number of optimizer steps), got "
+            f"{type(value).__name__}; e.g. {example}."
+        )
+    return int(value)
 
 
 class PipelineMonitor(pl.Callback):
@@ -71,12 +83,26 @@ class PipelineMonitor(pl.Callback):
 
     def __init__(self, logging_interval: int = 10, timeline_every_n_steps: int = 100,
                  trace_dir: str | Path | None = None) -> None:
+        logging_interval = _step_count("logging_interval", logging_interval, "logging_interval=10")
+        timeline_every_n_steps = _step_count("timeline_every_n_steps", timeline_every_n_steps,
+                                             "timeline_every_n_steps=100, or 0 for no pictures")
         if logging_interval < 1:
-            raise PipelineConfigError(f"logging_interval={logging_interval} must be at least 1 step.")
+            raise PipelineConfigError(
+                f"PipelineMonitor: logging_interval={logging_interval} must be at least 1 step; "
+                f"e.g. logging_interval=10."
+            )
         if timeline_every_n_steps < 0 or (timeline_every_n_steps and timeline_every_n_steps % logging_interval):
             raise PipelineConfigError(
-                f"timeline_every_n_steps={timeline_every_n_steps} must be 0 or a multiple of "
+                f"PipelineMonitor: timeline_every_n_steps={timeline_every_n_steps} must be 0 or a multiple of "
                 f"logging_interval={logging_interval}; e.g. timeline_every_n_steps={10 * logging_interval}."
+            )
+        # a PathLike whose path is bytes would make Path() raise a bare TypeError
+        if trace_dir is not None and not (isinstance(trace_dir, str | os.PathLike)
+                                          and isinstance(os.fspath(trace_dir), str)):
+            raise PipelineConfigError(
+                f"PipelineMonitor(trace_dir={trace_dir!r}): trace_dir must be a folder path (str or os.PathLike) "
+                f"or None, got {type(trace_dir).__name__}; e.g. trace_dir=\"lightning_logs/pipeline_traces\", or "
+                f"leave it out to write no trace files."
             )
         self.logging_interval = logging_interval
         self.timeline_every_n_steps = timeline_every_n_steps

@@ -8,15 +8,21 @@ from typing import Any
 
 import torch
 
+from lightning_pp._tree import flatten
 from lightning_pp.p2p import StageP2P
 from lightning_pp.schedules import Action, ActionType
 from lightning_pp.simulate import CATEGORY_OF, COMM_TRANSFER, COMM_WAIT, TimelineEvent
 
 __all__ = ["EventClock", "ForwardFn", "HostClock", "run_stage", "step_clock"]
 
-# forward(microbatch, received activation or None on the first stage) -> the activation to send downstream, or on the
-# last stage the (already weighted) loss to back-propagate
-ForwardFn = Callable[[int, "torch.Tensor | None"], torch.Tensor]
+# forward(microbatch, what the previous stage sent or None on the first stage) -> what to send downstream (a tensor or a
+# structure of them), or on the last stage the (already weighted) loss to back-propagate
+ForwardFn = Callable[[int, Any], Any]
+
+
+def _needing_grad(obj: Any) -> list[torch.Tensor]:
+    """The tensors of a sent or received structure that gradients flow through, in transfer order."""
+    return [t for t in flatten(obj)[0] if t.requires_grad]
 
 
 class HostClock:
@@ -86,10 +92,10 @@ def run_stage(
     Activations, received tensors and gradients are dropped as soon as the last action that needs them has run, so a
     stage holds only what its schedule keeps in flight.
     """
-    inputs: dict[int, torch.Tensor] = {}  # received activations, kept for backward
-    outputs: dict[int, torch.Tensor] = {}  # stage outputs (the weighted loss on the last stage)
-    output_grads: dict[int, torch.Tensor] = {}  # received gradients w.r.t. this stage's outputs
-    input_grads: dict[int, torch.Tensor] = {}  # gradients w.r.t. this stage's inputs, to send upstream
+    inputs: dict[int, Any] = {}  # received activations, kept for backward
+    outputs: dict[int, Any] = {}  # stage outputs (the weighted loss on the last stage)
+    output_grads: dict[int, list[torch.Tensor]] = {}  # received gradients w.r.t. this stage's outputs
+    input_grads: dict[int, list[torch.Tensor]] = {}  # gradients w.r.t. this stage's inputs, to send upstream
     # (action, category, start, header arrival or None, end) in clock stamps, turned into events after the step
     stamps: list[tuple[Action, str, Any, Any, Any]] = []
     timer = clock if events is not None else None  # None: this step is not timed
@@ -112,13 +118,14 @@ def run_stage(
             if is_last:
                 torch.autograd.backward(output)
             else:
-                output_grad = output_grads.pop(mb)
-                if output.requires_grad:  # else: frozen layers fed by an input without gradient, nothing to do
-                    torch.autograd.backward(output, output_grad)
-            received = inputs.pop(mb, None)
-            if received is not None:
-                input_grads[mb] = received.grad if received.grad is not None else torch.zeros_like(received)
-            del output, received
+                grads = output_grads.pop(mb)
+                tensors = _needing_grad(output)
+                if tensors:  # else: frozen layers fed by an input without gradient, nothing to do
+                    torch.autograd.backward(tensors, grads)
+            if mb in inputs:
+                input_grads[mb] = [t.grad if t.grad is not None else torch.zeros_like(t)
+                                   for t in _needing_grad(inputs.pop(mb))]
+            del output
         elif kind is ActionType.SEND_F:
             assert p2p is not None
             p2p.send(outputs[mb] if training else outputs.pop(mb), action)
@@ -127,10 +134,7 @@ def run_stage(
             p2p.send(input_grads.pop(mb), action)
         elif kind is ActionType.RECV_F:
             assert p2p is not None
-            tensor, header_arrived = p2p.recv(action)
-            if training and tensor.is_floating_point():
-                tensor.requires_grad_()
-            inputs[mb] = tensor
+            inputs[mb], header_arrived = p2p.recv(action)
         else:  # RECV_B
             assert p2p is not None
             output_grads[mb], header_arrived = p2p.recv(action)

@@ -3,13 +3,13 @@
 from __future__ import annotations
 
 import atexit
-import hashlib
 import logging
 import os
+import signal
+import time
 import weakref
-from collections import OrderedDict
-from collections.abc import Callable, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -17,7 +17,6 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities import move_data_to_device
 from lightning.fabric.utilities.distributed import ReduceOp
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
@@ -27,18 +26,22 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor, nn
+from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_pp import _compat
 from lightning_pp._allocator import keep_freed_cpu_memory
-from lightning_pp._logs import LogRecord, LogRecorder, replay
+from lightning_pp._failures import FailureSignal
+from lightning_pp._logs import LogRecorder
 from lightning_pp.checkpoint import NAMES_KEY, indexed_to_named, load_named, merge_named, named_state, named_to_indexed
 from lightning_pp.errors import PipelineConfigError
-from lightning_pp.microbatch import merge_microbatches, split_batch
+from lightning_pp.grads import PipelineGradients, broadcast_from_rank_zero
+from lightning_pp.model.blocks import block_count, find_blocks
+from lightning_pp.model.stage import StageView
+from lightning_pp.model.step import StepDriver
 from lightning_pp.p2p import StageP2P
 from lightning_pp.partition import stage_layer_ranges, uniform_balance, validate_balance
-from lightning_pp.runtime import run_stage, step_clock
 from lightning_pp.schedules import SCHEDULES, Schedule, build_schedule
 from lightning_pp.simulate import TimelineEvent
 
@@ -48,117 +51,21 @@ log = logging.getLogger(__name__)
 
 
 _AGREEING_SCALERS: weakref.WeakSet[torch.amp.GradScaler] = weakref.WeakSet()  # scalers already patched
-_NOTHING = torch.empty(0)  # what an evaluation forward on the last stage hands the runtime (nothing to send)
+_BACKENDS = ("gloo", "nccl")
+_fits_started = 0  # fits this process has run: names each fit's failure flag alike on every rank
 
 
-class _SequentialOutput(BaseException):
-    """Raised by the first stage's sequential to stop the user's step once the stage's output exists.
+@dataclass(frozen=True)
+class _Partition:
+    """A module's split, recorded when it was made: the stage view and the unpartitioned model's layout."""
 
-    A BaseException, so that an ``except Exception`` in the user's step cannot swallow it.
-    """
-
-    def __init__(self, output: Tensor) -> None:
-        super().__init__()
-        self.output = output
+    view: StageView
+    full_param_order: dict[str, int]  # parameter name -> position in the whole model (full checkpoints follow it)
+    full_state_keys: list[str]
 
 
-class _StageSequential(nn.Sequential):
-    """The layers of one stage, under their original names so state-dict keys match the full model's.
-
-    Called from the user's step it does what the stage needs: on the first stage it runs its layers and stops the step
-    (the rest belongs to later stages); on the last stage it ignores its argument and applies its layers to the
-    activation received from the previous stage, so the user's loss code runs unchanged.
-    """
-
-    def __init__(self, layers: OrderedDict[str, nn.Module], stage: int, num_stages: int, attribute: str,
-                 full_param_order: dict[str, int], full_state_keys: list[str], full_layer_names: list[str]) -> None:
-        super().__init__(layers)
-        self.full_layer_names = full_layer_names  # every layer of the unpartitioned sequential, in order
-        self.stage = stage
-        self.num_stages = num_stages
-        self.attribute = attribute
-        # the unpartitioned model's layout, which full checkpoints follow
-        self.full_param_order = full_param_order
-        self.full_state_keys = full_state_keys
-        self.received: Tensor | None = None
-        self.calls = 0
-        self.in_user_step = False  # set by the strategy while the user's step runs on this stage
-        self._applying = False
-
-    def run_layers(self, input: Any) -> Any:
-        """Apply this stage's layers (what a middle stage does with a received activation)."""
-        self._applying = True
-        try:
-            return super().forward(input)
-        finally:
-            self._applying = False
-
-    @override
-    def __getitem__(self, index: Any) -> Any:
-        """``self.layers[i]`` means layer ``i`` of the full sequential, as before partitioning."""
-        if not isinstance(index, int):
-            return super().__getitem__(index)
-        name = self.full_layer_names[index]
-        if name not in self._modules:
-            raise PipelineConfigError(
-                f"Layer {index} of `self.{self.attribute}` lives on another pipeline stage; stage {self.stage} holds "
-                f"layers {list(self._modules)}. Check `{index!r} in self.{self.attribute}._modules` first, or act "
-                f"on it from code that runs on every stage."
-            )
-        return self._modules[name]
-
-    @override
-    def __iter__(self) -> Iterator[nn.Module]:
-        if self.in_user_step and not self._applying:
-            raise PipelineConfigError(
-                f"The step iterates over `self.{self.attribute}`, which holds only the layers "
-                f"{list(self._modules)} of pipeline stage {self.stage}. Call `self.{self.attribute}(x)` once instead; "
-                f"the pipeline applies the other stages' layers."
-            )
-        return super().__iter__()
-
-    @override
-    def forward(self, input: Any) -> Any:
-        if not self.in_user_step:
-            if self.num_stages == 1:
-                return self.run_layers(input)
-            raise PipelineConfigError(
-                f"`self.{self.attribute}` holds only the layers {list(self._modules)} of pipeline stage {self.stage}; "
-                f"it can only be called inside a pipelined training, validation, test or predict step, not from "
-                f"other hooks (such as on_validation_epoch_end). Compute what you need inside the step and log it. "
-                f"(Lightning's model summary also runs a forward pass when the module sets `example_input_array`: "
-                f"pass Trainer(enable_model_summary=False) or leave `example_input_array` unset.)"
-            )
-        self.calls += 1
-        if self.calls > 1:
-            raise PipelineConfigError(
-                f"The step called `self.{self.attribute}` {self.calls} times; a pipelined step must call the "
-                f"partitioned sequential exactly once per micro-batch."
-            )
-        if self.num_stages == 1:
-            return self.run_layers(input)
-        if self.stage == 0:
-            raise _SequentialOutput(self.run_layers(input))
-        return self.run_layers(self.received)  # the last stage: layers applied to the received activation
-
-
-@contextmanager
-def _stage_rng(stage: int, step_index: int) -> Iterator[None]:
-    """Give each stage its own CPU random stream inside a step, and leave the generator as the step found it.
-
-    Stages consume random numbers differently (dropout in their own layers), which would otherwise make a shuffling
-    sampler draw different batches on different stages. The stream's seed is derived from the generator's state and
-    the step's index without drawing from the generator, so a step that uses no randomness leaves it exactly as one
-    device would (a shuffling sampler then draws the same epochs as single-device training).
-    """
-    before_step = torch.get_rng_state()
-    digest = hashlib.blake2b(before_step.numpy().tobytes(), digest_size=8)
-    digest.update(step_index.to_bytes(8, "little") + stage.to_bytes(4, "little"))
-    torch.default_generator.manual_seed(int.from_bytes(digest.digest(), "little") >> 1)
-    try:
-        yield
-    finally:
-        torch.set_rng_state(before_step)
+# modules already partitioned in this process (a second fit / validate / test reuses the split)
+_PARTITIONS: weakref.WeakKeyDictionary[nn.Module, _Partition] = weakref.WeakKeyDictionary()
 
 
 def _destroy_gloo_process_group() -> None:
@@ -171,54 +78,73 @@ def _destroy_gloo_process_group() -> None:
         dist.destroy_process_group()
 
 
-def _find_sequential(module: nn.Module, name: str | None) -> tuple[str, nn.Sequential]:
-    candidates = [child_name for child_name, child in module.named_children() if isinstance(child, nn.Sequential)]
-    if name is None:
-        if len(candidates) != 1:
-            found = f"found {len(candidates)}: {candidates}" if candidates else "found none"
+def _check_no_shared_parameters(module: nn.Module, name: str, container: nn.Module, ranges: list[range]) -> None:
+    """Blocks of different stages, or a block and the code outside the container, must not share a weight."""
+    owner: dict[int, int] = {}
+    blocks = [getattr(container, key) for key in _compat.child_names(container)]
+    for stage, blocks_of_stage in enumerate(ranges):
+        for i in blocks_of_stage:
+            for p in blocks[i].parameters():
+                if owner.setdefault(id(p), stage) != stage:
+                    raise PipelineConfigError(
+                        f"A parameter of block {i} of `{name}` is shared with a block of stage {owner[id(p)]}, and "
+                        f"stages cannot share weights. Choose a balance that keeps the sharing blocks on one stage."
+                    )
+    prefix = name + "."
+    for param_name, p in module.named_parameters(remove_duplicate=False):
+        if not param_name.startswith(prefix) and id(p) in owner:
             raise PipelineConfigError(
-                f"PipelineParallelStrategy partitions an nn.Sequential that is a direct attribute of "
-                f"{type(module).__name__}, and {found}. "
-                + ("Name the one to partition: PipelineParallelStrategy(sequential=...)."
-                   if candidates else "Put the repeated layers (e.g. transformer blocks) in an nn.Sequential "
-                   "attribute, or name a nested one with PipelineParallelStrategy(sequential='model.blocks').")
+                f"Parameter `{param_name}` is shared with a block of `{name}`; a weight inside the split container "
+                f"cannot also be used outside it. Move the tied layer out of `{name}`."
             )
-        name = candidates[0]
-    try:
-        found_module = module.get_submodule(name)
-    except AttributeError:
-        found_module = None
-    if not isinstance(found_module, nn.Sequential):
-        raise PipelineConfigError(
-            f"PipelineParallelStrategy(sequential={name!r}): {type(module).__name__} has no nn.Sequential at "
-            f"{name!r}. Direct nn.Sequential attributes: {candidates or 'none'}."
-        )
-    return name, found_module
+
+
+def _check(ok: bool, message: str) -> None:
+    if not ok:
+        raise PipelineConfigError(message)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _seconds(value: Any) -> float | None:
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
 
 
 class PipelineParallelStrategy(ParallelStrategy):
-    """Train a LightningModule's ``nn.Sequential`` pipeline-parallel: one stage of consecutive layers per device.
+    """Train a LightningModule pipeline-parallel: its container of repeated blocks is split into one stage per device.
+
+    The container (an ``nn.Sequential``, ``nn.ModuleList`` or ``nn.ModuleDict``: transformer layers, MLP blocks) is
+    found automatically or named with ``blocks``. Each stage keeps a contiguous run of blocks; everything outside the
+    container (embeddings, heads, norms) is held by every stage, starts from rank 0's values and has its gradients
+    summed over the pipeline, so weights tied across the blocks (embedding and head) train correctly.
 
     Per optimizer step, each batch is split into ``microbatches`` micro-batches and run through the stages by the
-    chosen schedule. The first stage runs the user's ``training_step`` up to the call of the sequential, the middle
-    stages run only their layers, the last stage runs the user's step on the received activation and computes the
-    loss with the user's own code. Parameters outside the sequential are replicated on every stage and their gradients
-    summed over the pipeline, so weights tied across the sequential (embedding and head) train correctly. Every stage
-    loads the same batch. Validation, test and predict steps run the same way through the forward-only schedule.
-
-    Each micro-batch's loss is weighted by its share of the batch's samples, so for losses that average over the batch
-    (every torch loss by default) gradients, the returned loss and logged values equal single-device training. A batch
-    that does not divide evenly is split like ``torch.tensor_split``.
+    chosen schedule. Every stage runs the user's step for every micro-batch: the blocks of other stages are weightless
+    stand-ins, this stage's first block takes the activation received from the previous stage, and after its last
+    block a non-last stage ends the step; the last stage goes on to the head and the loss with the user's own code.
+    Each micro-batch's loss is weighted by its share of the samples, so for losses that average over the batch (every
+    torch loss by default) gradients and the returned loss equal single-device training. Validation, test and predict
+    run the micro-batches through the blocks with the forward-only schedule, then the user's step once on the whole
+    batch on the last stage, so logged values and predictions equal one device's.
 
     Args:
         schedule: ``"naive"`` (one micro-batch at a time), ``"gpipe"`` (all forwards, then all backwards) or
             ``"1f1b"`` (one forward one backward; activation memory bounded by the number of stages).
-        microbatches: Micro-batches per batch; ``None`` means twice the number of stages.
-        sequential: Name (dotted for nested modules) of the ``nn.Sequential`` to partition; by default the only
-            ``nn.Sequential`` that is a direct attribute of the LightningModule.
-        balance: Layers per stage, summing to the sequential's length; by default an even split.
-        timeout: Seconds a stage waits for a peer's transfer (and for collectives) before raising
-            :class:`~lightning_pp.PipelineTimeoutError` naming the stage, the action and the peer.
+        microbatches: Micro-batches per batch; ``None`` means twice the number of stages. A batch with fewer samples
+            is split into one micro-batch per sample.
+        blocks: Dotted path of the block container to split (``"model.transformer.h"``); by default the container of
+            repeated blocks holding the most parameters. ``sequential`` is the same argument under its former name.
+        balance: Blocks per stage, summing to the container's length; by default an even split.
+        timeout: Seconds a stage waits for a peer's transfer before raising
+            :class:`~lightning_pp.PipelineTimeoutError` naming the stage, the action and the peer; a rank still alive
+            this long (plus 5 s) after another rank of the job failed ends itself.
+        process_group_timeout: Timeout of the process group's collectives and of start-up (seconds or a
+            ``timedelta``); by default Lightning's (30 minutes), so slow imports or a large checkpoint write on one
+            rank do not fail the job.
         checkpoint_format: ``"full"`` gathers the whole model and optimizer on global rank 0 into one file that
             plain single-device Lightning loads; ``"sharded"`` writes a folder with one file per stage (nothing is
             gathered). Both resume on any number of stages, as do single-device checkpoints.
@@ -228,8 +154,8 @@ class PipelineParallelStrategy(ParallelStrategy):
             in (15-30 % of the compute time of a 1024-wide MLP stage). The process keeps its peak memory.
 
     Raises:
-        PipelineConfigError: for an unknown schedule, ``microbatches < 1``, a bad ``balance``, a world size that does
-            not match ``balance``, a module without a unique sequential, or manual optimization.
+        PipelineConfigError: for an argument of the wrong type or value, a ``balance`` that does not fit the
+            container or the world size, a module without a block container, or manual optimization.
 
     Example::
 
@@ -244,9 +170,11 @@ class PipelineParallelStrategy(ParallelStrategy):
         *,
         schedule: str = "1f1b",
         microbatches: int | None = None,
+        blocks: str | None = None,
         sequential: str | None = None,
         balance: Sequence[int] | None = None,
         timeout: float = 300.0,
+        process_group_timeout: float | timedelta | None = None,
         checkpoint_format: str = "full",
         process_group_backend: str | None = None,
         reuse_cpu_memory: bool = True,
@@ -263,45 +191,58 @@ class PipelineParallelStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        if schedule not in SCHEDULES:
-            raise PipelineConfigError(
-                f"Unknown schedule {schedule!r}. Valid schedules: {', '.join(sorted(SCHEDULES))}."
-            )
-        if microbatches is not None and (not isinstance(microbatches, int) or microbatches < 1):
-            raise PipelineConfigError(
-                f"microbatches={microbatches!r}, but at least 1 micro-batch per batch is needed; pass a positive "
-                f"integer, or None for twice the number of stages."
-            )
-        if balance is not None and (not balance or any(not isinstance(n, int) or n < 1 for n in balance)):
-            raise PipelineConfigError(
-                f"balance={list(balance)} must list at least one layer for every stage (positive integers)."
-            )
-        if timeout <= 0:
-            raise PipelineConfigError(f"timeout={timeout} must be a positive number of seconds.")
-        if checkpoint_format not in ("full", "sharded"):
-            raise PipelineConfigError(
-                f"checkpoint_format={checkpoint_format!r}; use 'full' (one file plain Lightning loads) or 'sharded' "
-                f"(a folder with one file per stage, nothing gathered on one rank)."
-            )
+        _check(isinstance(schedule, str) and schedule in SCHEDULES,
+               f"Unknown schedule {schedule!r}. Valid schedules: {', '.join(sorted(SCHEDULES))}.")
+        _check(microbatches is None or (_is_int(microbatches) and microbatches >= 1),
+               f"microbatches={microbatches!r} ({type(microbatches).__name__}): pass a positive integer (at least 1 "
+               f"micro-batch per batch), or None for twice the number of stages.")
+        for name, value in (("blocks", blocks), ("sequential", sequential)):
+            _check(value is None or (isinstance(value, str) and value != ""),
+                   f"{name}={value!r} ({type(value).__name__}): pass the dotted path of the block container as a "
+                   f"string, e.g. {name}='model.transformer.h', or None to find it automatically.")
+        _check(blocks is None or sequential is None or blocks == sequential,
+               f"blocks={blocks!r} and sequential={sequential!r} name different containers; `sequential` is the "
+               f"former name of `blocks`: pass only blocks=...")
+        _check(balance is None or (isinstance(balance, Sequence) and not isinstance(balance, str) and len(balance) > 0
+                                   and all(_is_int(n) and n >= 1 for n in balance)),
+               f"balance={balance!r} must list at least one block for every stage (a list of positive integers, "
+               f"e.g. balance=[3, 5]).")
+        transfer_seconds = _seconds(timeout)
+        _check(transfer_seconds is not None and transfer_seconds > 0,
+               f"timeout={timeout!r} ({type(timeout).__name__}) must be a positive number of seconds, e.g. "
+               f"timeout=300.")
+        group_seconds = _seconds(process_group_timeout) if process_group_timeout is not None else None
+        _check(process_group_timeout is None or (group_seconds is not None and group_seconds > 0),
+               f"process_group_timeout={process_group_timeout!r} ({type(process_group_timeout).__name__}) must be a "
+               f"positive number of seconds or a datetime.timedelta, or None for Lightning's default (30 minutes).")
+        _check(checkpoint_format in ("full", "sharded"),
+               f"checkpoint_format={checkpoint_format!r}; use 'full' (one file plain Lightning loads) or 'sharded' "
+               f"(a folder with one file per stage, nothing gathered on one rank).")
+        _check(process_group_backend is None or process_group_backend in _BACKENDS,
+               f"process_group_backend={process_group_backend!r}; use 'gloo' (CPU) or 'nccl' (CUDA GPUs), or None to "
+               f"choose from the device.")
+        _check(isinstance(reuse_cpu_memory, bool),
+               f"reuse_cpu_memory={reuse_cpu_memory!r} ({type(reuse_cpu_memory).__name__}) must be True or False.")
         self.checkpoint_format = checkpoint_format
         self.schedule_name = schedule
         self._microbatches = microbatches
-        self._sequential_name = sequential
+        self._blocks_name = blocks if blocks is not None else sequential
         self._balance = list(balance) if balance is not None else None
-        self.timeout = float(timeout)
+        self.timeout = float(transfer_seconds or 0)
+        self.process_group_timeout = (timedelta(seconds=group_seconds) if group_seconds is not None
+                                      else default_pg_timeout)
         self._process_group_backend = process_group_backend
         self._reuse_cpu_memory = reuse_cpu_memory
         self._num_nodes = 1
-        self._stage_module: _StageSequential | None = None
-        self._replicated: list[nn.Parameter] = []
-        self._pending_grads: list[tuple[nn.Parameter, Tensor]] = []  # this step's gradients, handed over in backward
+        self._partition: _Partition | None = None
+        self._driver: StepDriver | None = None
+        self._grads: PipelineGradients | None = None
         self._p2p: StageP2P | None = None
+        self._failures: FailureSignal | None = None
         self._schedules: dict[tuple[int, bool], Schedule] = {}
-        self._steps_run = 0  # pipelined steps so far (the same count on every stage): seeds their random streams
         self._log_recorder = LogRecorder()
         # set by PipelineMonitor: receives a timed step's events and sample count; None keeps the timing off
         self.timing_sink: Callable[[list[TimelineEvent], int], None] | None = None
-        self.last_schedule: Schedule | None = None
 
     # ------------------------------------------------------------------------------------------------ Lightning wiring
 
@@ -337,11 +278,16 @@ class PipelineParallelStrategy(ParallelStrategy):
         return self._microbatches if self._microbatches is not None else 2 * self.num_stages
 
     @property
+    def last_schedule(self) -> Schedule | None:
+        """The schedule of the latest training step (what PipelineMonitor draws)."""
+        return self._driver.last_schedule if self._driver is not None else None
+
+    @property
     def is_distributed(self) -> bool:
         # With one data-parallel replica there is nothing to shard or to sync: saying "not distributed" keeps the
         # user's DataLoader as it is (Lightning would inject an always-shuffling DistributedSampler) and makes
         # `sync_dist` a no-op, both exactly as on one device. Stages agree on shuffled batches because every step
-        # leaves the CPU random generator in the same state on every stage (see `_stage_rng`).
+        # leaves the CPU random generator as it found it (see StepRandomness).
         return False
 
     @property
@@ -352,18 +298,21 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     @override
     def _configure_launcher(self) -> None:
+        # runs in the launching process before any worker starts: a balance for another world size fails here, once
+        _check(self._balance is None or len(self._balance) == self.num_stages,
+               f"balance={self._balance} describes {len(self._balance or [])} stages but the Trainer runs "
+               f"{self.num_stages} processes (one stage each). Use Trainer(devices={len(self._balance or [])}) or "
+               f"give {self.num_stages} block counts.")
         assert self.cluster_environment is not None
         self._launcher = _compat._SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
     def setup_environment(self) -> None:
-        # checked before the process group exists, so a bad configuration fails on every rank without waiting
-        if self._balance is not None and len(self._balance) != self.num_stages:
-            raise PipelineConfigError(
-                f"balance={self._balance} describes {len(self._balance)} stages but the Trainer runs "
-                f"{self.num_stages} processes (one stage each). Use Trainer(devices={len(self._balance)}) or give "
-                f"{self.num_stages} layer counts."
-            )
+        # checked again before the process group exists (a launcher such as torchrun skips _configure_launcher's)
+        _check(self._balance is None or len(self._balance) == self.num_stages,
+               f"balance={self._balance} describes {len(self._balance or [])} stages but the Trainer runs "
+               f"{self.num_stages} processes (one stage each). Use Trainer(devices={len(self._balance or [])}) or "
+               f"give {self.num_stages} block counts.")
         super().setup_environment()
         if self._reuse_cpu_memory and self.root_device.type == "cpu":
             keep_freed_cpu_memory()
@@ -376,12 +325,15 @@ class PipelineParallelStrategy(ParallelStrategy):
         )
         self._process_group_backend = backend
         assert self.cluster_environment is not None
-        _compat._init_dist_connection(
-            self.cluster_environment, backend, timeout=timedelta(seconds=self.timeout)
-        )
+        _compat._init_dist_connection(self.cluster_environment, backend, timeout=self.process_group_timeout)
         if backend == "gloo":
             atexit.unregister(_destroy_gloo_process_group)  # once, however many fits this process runs
             atexit.register(_destroy_gloo_process_group)
+        global _fits_started
+        _fits_started += 1
+        if self.num_stages > 1:
+            self._failures = FailureSignal(_compat._default_store(), _fits_started, self.global_rank,
+                                           grace=self.timeout + 5)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -395,20 +347,29 @@ class PipelineParallelStrategy(ParallelStrategy):
                 f"PipelineParallelStrategy does not support: the schedule runs forward and backward itself. Use "
                 f"automatic optimization, where Lightning calls the optimizers after the pipelined step."
             )
-        self._partition(module)
+        partition = self._split(module)
         assert self.model is not None
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        shared = self._shared_parameters(module, partition.view)
+        if self.num_stages > 1:
+            local = {id(t) for block in partition.view.local_blocks() for t in (*block.parameters(), *block.buffers())}
+            broadcast_from_rank_zero([t for t in (*module.parameters(), *module.buffers()) if id(t) not in local],
+                                     self.root_device)
+        self._grads = PipelineGradients(shared, self.stage, self.num_stages, self.root_device)
         if trainer.state.fn == TrainerFn.FITTING:
             self._setup_optimizers_on_every_stage(trainer)
         self.setup_precision_plugin()
         # Lightning clips by the norm of this stage's gradients; the right norm spans every stage
-        self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
+        grads = self._grads
+        self.precision_plugin.clip_grad_by_norm = (  # type: ignore[method-assign]
+            lambda optimizer, clip_val: grads.clip_by_global_norm(self.precision_plugin.main_params(optimizer),
+                                                                   clip_val))
         scaler = self._grad_scaler()
         if scaler is not None and scaler not in _AGREEING_SCALERS:
             # a stage that finds inf/NaN must make every stage skip the step and back off the scale alike
             local_unscale = scaler.unscale_
-            scaler.unscale_ = lambda optimizer: self._unscale_agreeing(scaler, local_unscale, optimizer)  # type: ignore[method-assign]
+            scaler.unscale_ = lambda optimizer: grads.unscale_agreeing(scaler, local_unscale, optimizer)  # type: ignore[method-assign]
             _AGREEING_SCALERS.add(scaler)
         if trainer.state.fn == TrainerFn.FITTING:
             _compat._optimizers_to_device(self.optimizers, self.root_device)
@@ -417,6 +378,8 @@ class PipelineParallelStrategy(ParallelStrategy):
             # one group for activations, one for gradients (see StageP2P); new_group is collective: every rank calls it
             groups = (self._new_group(), self._new_group())
             self._p2p = StageP2P(self.stage, list(range(self.num_stages)), self.root_device, self.timeout, groups)
+        self._driver = StepDriver(module, partition.view, self._p2p, self._log_recorder, self.root_device,
+                                  self._schedule, self.microbatches)
 
     def _setup_optimizers_on_every_stage(self, trainer: pl.Trainer) -> None:
         """``configure_optimizers`` sees only this stage's parameters, so it may fail on some stages alone (an empty
@@ -430,15 +393,15 @@ class PipelineParallelStrategy(ParallelStrategy):
             error = caught
         if self.num_stages == 1:
             return
-        stage_module = self._stage_module
-        assert stage_module is not None and self.lightning_module is not None
+        assert self._partition is not None and self.lightning_module is not None
+        view = self._partition.view
         report = None
         if error is not None:
             params = list(self.lightning_module.parameters())
             total, trainable = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
-            report = (f"stage {self.stage} ({type(error).__name__}: {error}; it holds layers "
-                      f"{list(stage_module._modules)} of `{stage_module.attribute}` and {total} parameters, "
-                      f"{trainable} trainable, counting those outside the sequential)")
+            report = (f"stage {self.stage} ({type(error).__name__}: {error}; it holds blocks "
+                      f"{view.local.start}-{view.local.stop - 1} of `{view.container_name}` and {total} parameters, "
+                      f"{trainable} trainable, counting those outside the blocks)")
         reports: list[str | None] = [None] * self.num_stages
         dist.all_gather_object(reports, report)
         failed = [r for r in reports if r is not None]
@@ -447,7 +410,7 @@ class PipelineParallelStrategy(ParallelStrategy):
                 f"configure_optimizers failed on {len(failed)} pipeline stage(s): {'; '.join(failed)}. Each stage's "
                 f"optimizer gets only that stage's parameters; a stage without any (or, when configure_optimizers "
                 f"keeps only parameters with requires_grad, without trainable ones) gets an empty list. Pass "
-                f"PipelineParallelStrategy(balance=[...]) so that every stage holds layers with trainable weights."
+                f"PipelineParallelStrategy(balance=[...]) so that every stage holds blocks with trainable weights."
             ) from error
 
     @override
@@ -476,62 +439,54 @@ class PipelineParallelStrategy(ParallelStrategy):
             return _compat._sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
+    @override
+    def on_exception(self, exception: BaseException) -> None:
+        """Make this rank's failure end the whole job: tell the other ranks, and take down the launched ones."""
+        if self._failures is not None:
+            where = f"stage {self.stage} (rank {self.global_rank})"
+            self._failures.report(f"{where} failed: {type(exception).__name__}: {str(exception)[:2000]}")
+            self._failures = None
+            if self.global_rank == 0:
+                time.sleep(1.5)  # rank 0 hosts the store: let the other ranks read the flag before this process ends
+        launcher = self.launcher
+        if isinstance(launcher, _compat._SubprocessScriptLauncher) and launcher.procs:
+            launcher.kill(signal.SIGKILL)
+
     # ------------------------------------------------------------------------------------------------ partitioning
 
-    def _partition(self, module: pl.LightningModule) -> None:
-        """Keep only this stage's layers of the sequential; everything else stays, replicated on every stage."""
-        name, sequential = _find_sequential(module, self._sequential_name)
-        if isinstance(sequential, _StageSequential):
-            if (sequential.stage, sequential.num_stages) != (self.stage, self.num_stages):
+    def _split(self, module: pl.LightningModule) -> _Partition:
+        """Keep only this stage's blocks of the container (the others become stand-ins); everything else stays."""
+        existing = _PARTITIONS.get(module)
+        if existing is not None:
+            view = existing.view
+            if (view.stage, view.num_stages) != (self.stage, self.num_stages):
                 raise PipelineConfigError(
-                    f"`{name}` was already partitioned for stage {sequential.stage} of {sequential.num_stages}; "
-                    f"this run is stage {self.stage} of {self.num_stages}. Build a fresh module for a new layout."
+                    f"`{view.container_name}` was already split for stage {view.stage} of {view.num_stages}; this "
+                    f"run is stage {self.stage} of {self.num_stages}. Build a fresh module for a new layout."
                 )
-            self._stage_module = sequential
-        else:
-            layers = list(sequential.named_children())
-            balance = (
-                validate_balance(self._balance, len(layers), self.num_stages)
-                if self._balance is not None
-                else uniform_balance(len(layers), self.num_stages)
-            )
-            self._check_no_shared_parameters(module, name, sequential, balance)
-            local = stage_layer_ranges(balance)[self.stage]
-            stage_module = _StageSequential(
-                OrderedDict(layers[i] for i in local), self.stage, self.num_stages, name,
-                full_param_order={n: i for i, (n, _) in enumerate(module.named_parameters())},
-                full_state_keys=list(module.state_dict()),
-                full_layer_names=[layer_name for layer_name, _ in layers],
-            )
-            parent_name, _, attribute = name.rpartition(".")
-            setattr(module.get_submodule(parent_name) if parent_name else module, attribute, stage_module)
-            self._stage_module = stage_module
-            log.info(f"Pipeline stage {self.stage}: layers {list(local)} of `{name}` ({len(layers)} layers)")
-        stage_ids = {id(p) for p in self._stage_module.parameters()}
-        self._replicated = [p for p in module.parameters() if id(p) not in stage_ids and p.requires_grad]
+            self._partition = existing
+            return existing
+        name, container = find_blocks(module, self._blocks_name)
+        num_blocks = block_count(container)
+        balance = (validate_balance(self._balance, num_blocks, self.num_stages) if self._balance is not None
+                   else uniform_balance(num_blocks, self.num_stages))
+        ranges = stage_layer_ranges(balance)
+        _check_no_shared_parameters(module, name, container, ranges)
+        full_param_order = {n: i for i, (n, _) in enumerate(module.named_parameters())}
+        full_state_keys = list(module.state_dict())
+        view = StageView(name, container, self.stage, ranges)
+        partition = _Partition(view, full_param_order, full_state_keys)
+        _PARTITIONS[module] = partition
+        self._partition = partition
+        log.info(f"Pipeline stage {self.stage}: blocks {view.local.start}-{view.local.stop - 1} of `{name}` "
+                 f"({num_blocks} blocks)")
+        return partition
 
     @staticmethod
-    def _check_no_shared_parameters(
-        module: nn.Module, name: str, sequential: nn.Sequential, balance: list[int]
-    ) -> None:
-        owner: dict[int, str] = {}
-        children = list(sequential.children())
-        for index, stage_range in enumerate(stage_layer_ranges(balance)):
-            for i in stage_range:
-                for p in children[i].parameters():
-                    if owner.setdefault(id(p), f"stage {index}") != f"stage {index}":
-                        raise PipelineConfigError(
-                            f"A parameter of `{name}` is shared between {owner[id(p)]} and stage {index}; stages "
-                            f"cannot share weights. Choose a balance that keeps sharing layers on one stage."
-                        )
-        inside = set(owner)
-        sequential_prefix = name + "."
-        for param_name, p in module.named_parameters(remove_duplicate=False):
-            if not param_name.startswith(sequential_prefix) and id(p) in inside:
-                raise PipelineConfigError(
-                    f"Parameter `{param_name}` is shared with a layer of `{name}`; a weight inside the partitioned "
-                    f"sequential cannot also be used outside it. Move the tied layer out of `{name}`."
-                )
+    def _shared_parameters(module: nn.Module, view: StageView) -> list[nn.Parameter]:
+        """Every parameter outside the blocks (held by every stage), whether or not it is trainable right now."""
+        local = {id(p) for block in view.local_blocks() for p in block.parameters()}
+        return [p for p in module.parameters() if id(p) not in local]
 
     # ------------------------------------------------------------------------------------------------ the step
 
@@ -564,187 +519,33 @@ class PipelineParallelStrategy(ParallelStrategy):
             return self._pipelined_step("predict_step", args, kwargs)
 
     def _pipelined_step(self, step_name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        """Run the user's ``step_name`` over micro-batches through the schedule; return what it returns on one device.
-
-        Training runs the full schedule and returns the loss; evaluation runs the forward-only schedule (nothing kept
-        for backward) and returns the step's outputs merged over micro-batches. Either way the last stage's results
-        and ``self.log`` calls are sent to every stage, so every rank returns and logs the same values.
-        """
-        module = self.lightning_module
-        stage_module = self._stage_module
-        assert module is not None and stage_module is not None
+        assert self._driver is not None and self._grads is not None and self.lightning_module is not None
         training = step_name == "training_step"
-        user_step = getattr(module, step_name)
-        batch, rest = args[0], args[1:]
-        microbatches, sizes = split_batch(batch, self.microbatches)
-        total = sum(sizes)
-        accumulation = module.trainer.accumulate_grad_batches if training else 1
-        weights = [size / total / accumulation for size in sizes]
-        first, last = self.stage == 0, self.stage == self.num_stages - 1
-        outputs: dict[int, Any] = {}  # the last stage's step outputs (training: loss values)
-        extras: dict[int, dict[str, Any]] = {}  # training: the other entries of a dict training_step returned
-        scaler = self._grad_scaler() if training else None
-
-        def forward(mb: int, received: Tensor | None) -> Tensor:
-            if not first and not last:
-                return stage_module.run_layers(received)
-            stage_module.calls = 0
-            stage_module.received = received
-            stage_module.in_user_step = True
-            try:
-                with self._log_recorder.recording(module, mb if last else None):
-                    output = user_step(microbatches[mb], *rest, **kwargs)
-            except _SequentialOutput as stop:
-                return stop.output
-            finally:
-                stage_module.received = None
-                stage_module.in_user_step = False
-            if stage_module.calls == 0:
-                raise PipelineConfigError(
-                    f"{step_name} returned without calling `self.{stage_module.attribute}`. A pipelined step must "
-                    f"call the partitioned sequential once (call it, do not iterate over its layers)."
-                )
-            if not training:
-                outputs[mb] = output
-                return _NOTHING
-            loss = output.get("loss") if isinstance(output, Mapping) else output
-            if not isinstance(loss, Tensor):
-                raise PipelineConfigError(
-                    f"training_step returned {type(output).__name__}; with PipelineParallelStrategy it must return "
-                    f"the loss tensor or a dict with a 'loss' tensor (skipping a step by returning None is not "
-                    f"supported)."
-                )
-            outputs[mb] = loss.detach()  # read once after the step: a read per micro-batch would stall a GPU
-            if isinstance(output, Mapping) and len(output) > 1:
-                extras[mb] = {k: v.detach() if isinstance(v, Tensor) else v for k, v in output.items() if k != "loss"}
-            return scaler.scale(loss * weights[mb]) if scaler is not None else loss * weights[mb]
-
-        schedule = self._schedule(len(microbatches), forward_only=not training)
-        events: list[TimelineEvent] | None = [] if training and self.timing_sink is not None else None
-        if training:
-            # Lightning zeroes gradients between training_step and backward: keep this step's gradients aside and
-            # hand them over in `backward`, leaving earlier (accumulated) gradients for Lightning to manage
-            params = [p for p in module.parameters() if p.requires_grad]
-            previous = [p.grad for p in params]
-            for p in params:
-                p.grad = None
-            self.last_schedule = schedule
-        self._steps_run += 1
-        with _stage_rng(self.stage, self._steps_run):
-            run_stage(
-                schedule.actions[self.stage],
-                forward,
-                self._p2p if self.num_stages > 1 else None,
-                is_last=last,
-                training=training,
-                events=events,
-                clock=step_clock(self.root_device) if events is not None else None,
-            )
-        if training:
-            self._sum_replicated_grads()
-            self._pending_grads = [(p, p.grad) for p in params if p.grad is not None]
-            for p, grad in zip(params, previous, strict=True):
-                p.grad = grad
-
-        result: Any = None
-        extra: dict[str, Any] | None = None
-        records: list[LogRecord] = []
-        if last:
-            records = self._log_recorder.combine(sizes)
-            if training:
-                order = sorted(outputs)
-                losses = torch.stack([outputs[mb] for mb in order]).double().tolist()
-                result = sum(loss * sizes[mb] for loss, mb in zip(losses, order, strict=True)) / total
-                if extras:
-                    extra = move_data_to_device(merge_microbatches([extras[mb] for mb in order], sizes),
-                                                torch.device("cpu"))
-            else:
-                result = move_data_to_device(merge_microbatches([outputs[mb] for mb in sorted(outputs)], sizes),
-                                             torch.device("cpu"))
-        result, extra, records = self._from_last_stage((result, extra, records))
-        replay(module, records, updated_here=last)
-        if events is not None and self.timing_sink is not None:
-            self.timing_sink(events, total)
-        if not training:
-            return move_data_to_device(result, self.root_device)
-        loss = torch.tensor(result, dtype=torch.get_default_dtype(), device=self.root_device)
-        # what training_step returned on one device: the loss, and any other entries merged over micro-batches
-        return {"loss": loss, **move_data_to_device(extra, self.root_device)} if extra else loss
-
-    def _from_last_stage(self, payload: Any) -> Any:
-        if self.num_stages == 1:
-            return payload
-        box = [payload]
-        dist.broadcast_object_list(box, src=self.num_stages - 1)
-        return box[0]
-
-    def _sum_replicated_grads(self) -> None:
-        """Sum the gradients of parameters outside the sequential over all stages (one collective per dtype)."""
-        if self.num_stages == 1 or not self._replicated:
-            return
-        has_grad = torch.tensor([p.grad is not None for p in self._replicated], dtype=torch.int32,
-                                device=self.root_device)
-        dist.all_reduce(has_grad)
-        used = [p for p, n in zip(self._replicated, has_grad.tolist(), strict=True) if n > 0]
-        by_dtype: dict[torch.dtype, list[nn.Parameter]] = {}
-        for p in used:
-            by_dtype.setdefault(p.dtype, []).append(p)
-        for group in by_dtype.values():
-            flat = torch.cat([
-                (p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in group
-            ])
-            dist.all_reduce(flat)
-            offset = 0
-            for p in group:
-                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
-                offset += p.numel()
+        return self._driver.run(
+            step_name, args, kwargs,
+            accumulation=self.lightning_module.trainer.accumulate_grad_batches if training else 1,
+            scaler=self._grad_scaler() if training else None,
+            sum_shared_grads=self._grads.sum_shared,
+            timing_sink=self.timing_sink,
+        )
 
     def _grad_scaler(self) -> torch.amp.GradScaler | None:
         scaler = getattr(self.precision_plugin, "scaler", None)
         return scaler if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
 
-    def _unscale_agreeing(self, scaler: torch.amp.GradScaler, unscale: Callable[[Optimizer], None],
-                          optimizer: Optimizer) -> None:
-        """Unscale, then make the inf/NaN verdict the same on every stage (the max over the pipeline)."""
-        unscale(optimizer)
-        found = _compat._found_inf_per_device(scaler, optimizer)
-        verdict = torch.zeros((), dtype=torch.float32, device=self.root_device)
-        for value in found.values():
-            verdict = torch.maximum(verdict, value.to(self.root_device).reshape(()))
-        if self.num_stages > 1:
-            dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
-        if not found:
-            found[self.root_device] = verdict
-        for value in found.values():
-            value.copy_(verdict.to(value.device))
-
-    def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
-        """``clip_grad_norm_`` over the whole pipeline: squared norms summed over stages, each weight counted once."""
-        replicated = {id(p) for p in self._replicated}
-        grads = [(p, p.grad) for p in self.precision_plugin.main_params(optimizer) if p.grad is not None]
-        squared = torch.zeros((), dtype=torch.float64, device=self.root_device)
-        for p, grad in grads:
-            if id(p) not in replicated or self.stage == 0:
-                squared += torch.linalg.vector_norm(grad.detach(), dtype=torch.float64) ** 2
-        if self.num_stages > 1:
-            dist.all_reduce(squared)
-        scale = torch.clamp(clip_val / (squared.sqrt() + 1e-6), max=1.0)
-        for _, grad in grads:
-            grad.mul_(scale.to(grad.dtype))
-
     @override
     def backward(self, closure_loss: Tensor, optimizer: Optimizer | None, *args: Any, **kwargs: Any) -> Tensor:
         """Hand over the gradients the schedule computed; never back-propagate ``closure_loss`` again."""
         module = self.lightning_module
-        assert module is not None
+        assert module is not None and self._driver is not None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        for p, grad in self._pending_grads:
+        for p, grad in self._driver.pending_grads:
             if p.grad is None:
                 p.grad = grad
             else:
                 p.grad.add_(grad)
-        self._pending_grads = []
+        self._driver.pending_grads = []
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -773,15 +574,15 @@ class PipelineParallelStrategy(ParallelStrategy):
         Replicated parameters are equal on every stage, but buffers are not: modules after the sequential (a
         BatchNorm head, say) run only on the last stage, which also runs those before it, so its copies are current.
         """
-        assert self.lightning_module is not None and self._stage_module is not None
-        prefix = self._stage_module.attribute + "."
+        assert self.lightning_module is not None and self._partition is not None
+        prefix = self._partition.view.container_name + "."
         last = self.stage == self.num_stages - 1
         return {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()
                 if k.startswith(prefix) or last}
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        assert self.lightning_module is not None and self._stage_module is not None
+        assert self.lightning_module is not None and self._partition is not None
         if self.checkpoint_format == "sharded" or self.num_stages == 1:
             return self.lightning_module.state_dict()
         parts = self._gather_on_zero(self._own_state())
@@ -790,16 +591,16 @@ class PipelineParallelStrategy(ParallelStrategy):
         merged: dict[str, Tensor] = {}
         for part in parts:
             merged.update(part)
-        return {key: merged[key] for key in self._stage_module.full_state_keys}
+        return {key: merged[key] for key in self._partition.full_state_keys}
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        assert self._stage_module is not None
+        assert self._partition is not None
         named = named_state(getattr(optimizer, "_optimizer", optimizer), self._name_of())
         if self.checkpoint_format == "sharded":
             return named
         parts = self._gather_on_zero(named)
-        return named_to_indexed(merge_named(parts, self._stage_module.full_param_order)) if parts else {}
+        return named_to_indexed(merge_named(parts, self._partition.full_param_order)) if parts else {}
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
@@ -820,7 +621,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         path = str(checkpoint_path)
         if not os.path.isdir(path):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        assert self.lightning_module is not None and self._stage_module is not None
+        assert self.lightning_module is not None and self._partition is not None
         only = bool(weights_only)
         checkpoint = torch.load(os.path.join(path, "checkpoint.pt"), map_location="cpu", weights_only=only)
         wanted = set(self.lightning_module.state_dict())
@@ -831,7 +632,7 @@ class PipelineParallelStrategy(ParallelStrategy):
             state.update({k: v for k, v in shard["state_dict"].items() if k in wanted})
             optimizer_parts.append(shard["optimizer_states"])
         checkpoint["state_dict"] = state
-        order = self._stage_module.full_param_order
+        order = self._partition.full_param_order
         checkpoint["optimizer_states"] = [
             merge_named(list(parts), order) for parts in zip(*optimizer_parts, strict=True)
         ]
@@ -869,17 +670,17 @@ class PipelineParallelStrategy(ParallelStrategy):
 
         Needed for checkpoints written by plain Lightning, which number parameters without naming them.
         """
-        assert self._stage_module is not None
+        assert self._partition is not None
         local = [[name_of[id(p)] for p in group["params"]] for group in optimizer.param_groups]
         parts: list[Any] = [local]
         if self.num_stages > 1:
             parts = [None] * self.num_stages
             dist.all_gather_object(parts, local)
-        order = self._stage_module.full_param_order
+        order = self._partition.full_param_order
         return [sorted({n for part in parts for n in part[g]}, key=lambda n: order[n]) for g in range(len(local))]
 
     def _new_group(self) -> Any:
-        return dist.new_group(backend=self._process_group_backend, timeout=timedelta(seconds=self.timeout))
+        return dist.new_group(backend=self._process_group_backend, timeout=self.process_group_timeout)
 
     @override
     def teardown(self) -> None:
@@ -887,6 +688,9 @@ class PipelineParallelStrategy(ParallelStrategy):
             for group in self._p2p.groups:
                 dist.destroy_process_group(group)
         self._p2p = None
+        if self._failures is not None:
+            self._failures.stop()
+            self._failures = None
         self._log_recorder.detach()
         super().teardown()
 
@@ -894,5 +698,5 @@ class PipelineParallelStrategy(ParallelStrategy):
 StrategyRegistry.register(
     PipelineParallelStrategy.strategy_name,
     PipelineParallelStrategy,
-    description="Pipeline parallelism over the LightningModule's nn.Sequential (lightning_pp)",
+    description="Pipeline parallelism over the LightningModule's block container (lightning_pp)",
 )

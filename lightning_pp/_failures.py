@@ -1,0 +1,61 @@
+"""A failed rank ends the whole job: it says so in the process group's store, and every other rank ends too.
+
+A rank blocked in a transfer with a failed peer raises its own timeout error, but a rank stuck elsewhere (in user
+code, in a collective the failed rank never joins) would wait forever, and Lightning swallows SIGTERM. So each rank
+runs a watcher thread while a fit runs: once another rank has reported a failure and this rank has not ended within
+``grace`` seconds (long enough for its own transfer timeout to say where it was), the watcher prints why and ends the
+process.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import threading
+import time
+from typing import Any
+
+__all__ = ["FailureSignal"]
+
+_POLL_S = 0.5
+
+
+class FailureSignal:
+    """One fit's failure flag in ``store`` (a torch.distributed Store), and this rank's watcher of it."""
+
+    def __init__(self, store: Any, job: int, rank: int, grace: float) -> None:
+        self._store = store
+        self._key = f"lightning_pp/failed/{job}"
+        self._rank = rank
+        self._grace = grace
+        self._stop = threading.Event()
+        self._thread = threading.Thread(target=self._watch, name="lightning_pp-failure-watcher", daemon=True)
+        self._thread.start()
+
+    def report(self, message: str) -> None:
+        """Tell every rank this one failed (called once, on the failing rank; its own watcher stops)."""
+        self._stop.set()
+        try:
+            self._store.set(self._key, message)
+        except Exception:
+            return
+
+    def stop(self) -> None:
+        self._stop.set()
+
+    def _watch(self) -> None:
+        seen_at: float | None = None
+        message = ""
+        while not self._stop.wait(_POLL_S):
+            if seen_at is None:
+                try:
+                    if not self._store.check([self._key]):
+                        continue
+                    message = self._store.get(self._key).decode(errors="replace")
+                except Exception:
+                    return
+                seen_at = time.monotonic()
+            elif time.monotonic() - seen_at > self._grace:
+                print(f"lightning_pp: rank {self._rank} ends: {message} (this rank had not finished {self._grace:.0f} "
+                      f"s after that failure)", file=sys.stderr, flush=True)
+                os._exit(1)

@@ -1,0 +1,172 @@
+"""One stage's view of the block container: its own blocks stay, every other block becomes a weightless stand-in.
+
+Every stage runs the user's whole step, so whatever the blocks need besides the hidden state (masks, rotary tables,
+position ids) is computed where it is used. Inside a pipelined step:
+
+- a stand-in (a block held by another stage) does not compute: it returns what the previous stage sent, i.e. the
+  output of the block just before this stage's first one. The user's loop hands it on as it would that block's output,
+  so this stage's first block receives it in place of its input, whatever the loop does in between;
+- right after this stage's last block returns, a non-last stage (and, in evaluation, the last stage too) stops the
+  step by raising :class:`StageOutput` with that block's output, which is what travels on.
+
+Blocks keep their container, names and positions, so the model's own forward works unchanged whether it calls a
+Sequential, loops, enumerates, slices or takes ``len()``, and state-dict keys keep their full-model names.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
+from typing import Any
+
+from torch import nn
+
+from lightning_pp import _compat
+from lightning_pp._tree import map_tensors
+from lightning_pp.errors import PipelineConfigError
+
+__all__ = ["Mode", "StageOutput", "StageView"]
+
+
+class StageOutput(BaseException):  # a control-flow signal, not an error
+    """Raised after the stage's last block to end the user's step with that block's output.
+
+    A BaseException, so that an ``except Exception`` in the user's code cannot swallow it.
+    """
+
+    def __init__(self, output: Any) -> None:
+        super().__init__()
+        self.output = output
+
+
+class Mode(enum.Enum):
+    OFF = "off"  # outside a pipelined step: stand-ins refuse to run
+    MICROBATCH = "microbatch"  # one micro-batch through this stage's blocks
+    FINISH = "finish"  # evaluation on the last stage: every block returns the joined output of all micro-batches
+
+
+class _StandIn(nn.Module):
+    """Takes the place of a block held by another stage: no weights, the block's plain attributes, no compute."""
+
+    def __init__(self, block: nn.Module, index: int, owner: int, view: StageView) -> None:
+        super().__init__()
+        for key, value in vars(block).items():  # e.g. a decoder layer's `attention_type`, read by the model's loop
+            if not key.startswith("_") and key != "training":
+                self.__dict__[key] = value
+        self.__dict__["_pipeline"] = (view, index, owner, type(block).__name__)
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        view, index, owner, _ = self.__dict__["_pipeline"]
+        return view.stand_in_output(index, owner)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            view, index, owner, block_type = self.__dict__["_pipeline"]
+            raise AttributeError(
+                f"Block {index} of `{view.container_name}` ({block_type}) is held by pipeline stage {owner}; this is "
+                f"stage {view.stage}, where it is a weightless stand-in without `{name}`."
+            ) from None
+
+    def extra_repr(self) -> str:
+        _, _, owner, block_type = self.__dict__["_pipeline"]
+        return f"{block_type} on stage {owner}"
+
+
+class StageView:
+    """Installs and drives the stand-ins and the hooks of one stage; ``ranges[s]`` are the blocks stage ``s`` holds."""
+
+    def __init__(self, container_name: str, container: nn.Module, stage: int, ranges: list[range]) -> None:
+        self.container_name = container_name
+        self.container = container
+        self.stage = stage
+        self.num_stages = len(ranges)
+        self.local = ranges[stage]
+        self.mode = Mode.OFF
+        self.stop_after_blocks = False  # set per pass: end the step after this stage's last block
+        self.last_block_calls = 0  # how often this stage's last block ran in the current pass
+        # called when this stage's first block is about to run in a micro-batch pass (where its own randomness starts)
+        self.on_blocks_start: Callable[[], None] | None = None
+        self._received: Any = None  # what the previous stage sent (micro-batch) or the joined output (finish)
+        self._handed: Any = None  # the received structure as handed to the blocks (cloned once per micro-batch)
+        self.keys = _compat.child_names(container)
+        owner = {i: s for s, blocks in enumerate(ranges) for i in blocks}
+        self._local_blocks: dict[str, nn.Module] = {}
+        self._finish_stand_ins: dict[str, _StandIn] = {}
+        for i, key in enumerate(self.keys):
+            block = getattr(container, key)
+            stand_in = _StandIn(block, i, owner[i], self)
+            if i in self.local:
+                self._local_blocks[key] = block
+                self._finish_stand_ins[key] = stand_in
+            else:
+                container.register_module(key, stand_in)
+        first, last = self._local_blocks[self.keys[self.local[0]]], self._local_blocks[self.keys[self.local[-1]]]
+        self._hooks = [first.register_forward_pre_hook(self._before_first_block),
+                       last.register_forward_hook(self._after_last_block)]
+
+    def local_blocks(self) -> list[nn.Module]:
+        return list(self._local_blocks.values())
+
+    def stand_in_output(self, index: int, owner: int) -> Any:
+        if self.mode is Mode.OFF:
+            raise PipelineConfigError(
+                f"Block {index} of `{self.container_name}` is held by pipeline stage {owner} (this is stage "
+                f"{self.stage}): the blocks can only run inside a pipelined training, validation, test or predict "
+                f"step, not from other hooks (such as on_validation_epoch_end or a sample generation callback). "
+                f"Compute what you need inside the step and log it. (Lightning's model summary also runs a forward "
+                f"pass when the module sets `example_input_array`: pass Trainer(enable_model_summary=False) or leave "
+                f"`example_input_array` unset.)"
+            )
+        if self._received is None:
+            raise PipelineConfigError(
+                f"Block {index} of `{self.container_name}` (held by stage {owner}) was called on stage {self.stage} "
+                f"after this stage's own blocks; the step must run the blocks once, in order."
+            )
+        if self._handed is None:
+            # a fresh tensor, not the received leaf itself: the first block may work in place (ReLU(inplace=True))
+            self._handed = map_tensors(self._received, lambda t: t.clone() if t.requires_grad else t)
+        return self._handed
+
+    def _before_first_block(self, module: nn.Module, args: Any) -> None:
+        if self.mode is Mode.MICROBATCH:
+            self._received = None  # stand-ins after this point mean the step runs the blocks out of order
+            if self.on_blocks_start is not None:
+                self.on_blocks_start()
+
+    def _after_last_block(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.mode is not Mode.MICROBATCH:
+            return
+        self.last_block_calls += 1
+        if self.last_block_calls > 1:
+            raise PipelineConfigError(
+                f"The step ran block {self.local[-1]} of `{self.container_name}` twice; a pipelined step must run the "
+                f"blocks once per micro-batch (one pass through `{self.container_name}`)."
+            )
+        if self.stop_after_blocks:
+            raise StageOutput(output)
+
+    @contextmanager
+    def microbatch(self, received: Any, stop_after_blocks: bool) -> Iterator[None]:
+        """Run the user's step for one micro-batch: stand-ins hand on ``received``."""
+        self.mode, self._received, self._handed = Mode.MICROBATCH, received, None
+        self.stop_after_blocks, self.last_block_calls = stop_after_blocks, 0
+        try:
+            yield
+        finally:
+            self.mode, self._received, self._handed = Mode.OFF, None, None
+
+    @contextmanager
+    def finishing(self, joined: Any) -> Iterator[None]:
+        """Run the user's step once on the whole batch: every block, this stage's too, returns ``joined``."""
+        for key, stand_in in self._finish_stand_ins.items():
+            self.container.register_module(key, stand_in)
+        self.mode, self._received, self._handed = Mode.FINISH, joined, joined
+        try:
+            yield
+        finally:
+            self.mode, self._received, self._handed = Mode.OFF, None, None
+            for key, block in self._local_blocks.items():
+                self.container.register_module(key, block)

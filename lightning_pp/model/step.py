@@ -1,0 +1,213 @@
+"""The step driver: the user's training / validation / test / predict step run over micro-batches through a schedule.
+
+Every stage runs the user's step for every micro-batch (:mod:`lightning_pp.model.stage` makes the blocks of other
+stages stand-ins). Training: the last stage's step goes on to the loss, which is weighted by the micro-batch's share of
+the samples, so gradients equal one device's for losses that average over the batch. Evaluation: the micro-batches run
+through the blocks only; the last stage then runs the user's step once on the whole batch with the blocks' joined
+outputs, so every logged value and every returned prediction is what one device computes.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import warnings
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import contextmanager
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.fabric.utilities import move_data_to_device
+from torch import Tensor
+
+from lightning_pp._logs import LogRecorder, replay
+from lightning_pp.errors import PipelineConfigError
+from lightning_pp.microbatch import batch_size, merge_microbatches, split_batch
+from lightning_pp.model.stage import StageOutput, StageView
+from lightning_pp.p2p import StageP2P
+from lightning_pp.runtime import run_stage, step_clock
+from lightning_pp.schedules import Schedule
+from lightning_pp.simulate import TimelineEvent
+
+__all__ = ["StepDriver", "StepRandomness"]
+
+_NOTHING = torch.empty(0)  # what an evaluation forward on the last stage hands the runtime (nothing to send)
+
+
+class StepRandomness:
+    """The same random numbers on every stage for the same (step, micro-batch), and the generators left untouched.
+
+    Before each micro-batch the CPU generator (and the stage's CUDA generator) is seeded from the generator's state at
+    the start of the step, the step's index and the micro-batch, so a value drawn before the blocks (the noise of a
+    denoiser) is the same on every stage, whichever stage uses it. Where this stage's own blocks start, the stream is
+    reseeded per stage, so dropout masks of different stages are independent. Afterwards the generators are restored:
+    a step leaves them as it found them, so a shuffling sampler draws the same batches on every stage and, when the
+    step itself uses no randomness, the same as on one device.
+    """
+
+    def __init__(self, stage: int, device: torch.device) -> None:
+        self.stage = stage
+        self.device = device
+        self._base = b""
+
+    def begin_step(self, step_index: int) -> None:
+        state = torch.get_rng_state().numpy().tobytes()
+        self._base = hashlib.blake2b(state + step_index.to_bytes(8, "little"), digest_size=16).digest()
+
+    def _seed(self, *parts: int) -> None:
+        digest = hashlib.blake2b(self._base + b"".join(p.to_bytes(8, "little") for p in parts), digest_size=8)
+        seed = int.from_bytes(digest.digest(), "little") >> 1
+        torch.default_generator.manual_seed(seed)
+        if self.device.type == "cuda":
+            torch.cuda.manual_seed(seed)
+
+    @contextmanager
+    def pass_(self, microbatch: int) -> Iterator[None]:
+        """One run of the user's step: micro-batch ``microbatch`` (or the whole batch: ``-1``)."""
+        devices = [self.device] if self.device.type == "cuda" else []
+        with torch.random.fork_rng(devices=devices):
+            self._seed(microbatch + 1)
+            yield
+
+    def blocks_start(self, microbatch: int) -> None:
+        self._seed(microbatch + 1, self.stage + 1)
+
+
+class StepDriver:
+    """Runs one stage's part of each pipelined step; the strategy calls :meth:`run` from its step hooks."""
+
+    def __init__(self, module: pl.LightningModule, view: StageView, p2p: StageP2P | None, recorder: LogRecorder,
+                 device: torch.device, schedule_for: Callable[[int, bool], Schedule], microbatches: int) -> None:
+        self.module = module
+        self.view = view
+        self.p2p = p2p
+        self.recorder = recorder
+        self.device = device
+        self.schedule_for = schedule_for
+        self.microbatches = microbatches
+        self.stage, self.num_stages = view.stage, view.num_stages
+        self.randomness = StepRandomness(self.stage, device)
+        self.steps_run = 0  # pipelined steps so far (the same count on every stage): seeds their random numbers
+        self.last_schedule: Schedule | None = None
+        # this step's gradients, handed to Lightning in the strategy's `backward`
+        self.pending_grads: list[tuple[torch.nn.Parameter, Tensor]] = []
+        self._warned_small_batch = False
+
+    def run(self, step_name: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, accumulation: int,
+            scaler: torch.amp.GradScaler | None, sum_shared_grads: Callable[[], None],
+            timing_sink: Callable[[list[TimelineEvent], int], None] | None) -> Any:
+        """Run the user's ``step_name`` over micro-batches; return what it returns on one device (the same on every
+        stage: the last stage's results and ``self.log`` calls are sent to every stage)."""
+        module, view = self.module, self.view
+        training = step_name == "training_step"
+        user_step = getattr(module, step_name)
+        batch, rest = args[0], args[1:]
+        microbatches, sizes = split_batch(batch, self._microbatch_count(batch))
+        total = sum(sizes)
+        weights = [size / total / accumulation for size in sizes]
+        last = self.stage == self.num_stages - 1
+        stop_after_blocks = not (last and training)
+        losses: dict[int, Tensor] = {}  # training: the last stage's micro-batch losses
+        extras: dict[int, dict[str, Any]] = {}  # training: the other entries of a dict training_step returned
+        block_outputs: dict[int, Any] = {}  # evaluation on the last stage: what the blocks gave per micro-batch
+
+        def forward(mb: int, received: Any) -> Any:
+            view.on_blocks_start = lambda: self.randomness.blocks_start(mb)
+            recording = self.recorder.recording(module, mb if last and training else None)
+            with view.microbatch(received, stop_after_blocks), self.randomness.pass_(mb), recording:
+                try:
+                    output = user_step(microbatches[mb], *rest, **kwargs)
+                except StageOutput as end:
+                    if not last:
+                        return end.output
+                    block_outputs[mb] = end.output
+                    return _NOTHING
+            if stop_after_blocks or view.last_block_calls == 0:
+                raise PipelineConfigError(
+                    f"{step_name} returned on pipeline stage {self.stage} without running its blocks "
+                    f"{view.local.start}-{view.local.stop - 1} of `{view.container_name}`. A pipelined step must run "
+                    f"every block of the container once per micro-batch (through the model's forward or a loop)."
+                )
+            loss = output.get("loss") if isinstance(output, Mapping) else output
+            if not isinstance(loss, Tensor):
+                raise PipelineConfigError(
+                    f"training_step returned {type(output).__name__}; with PipelineParallelStrategy it must return "
+                    f"the loss tensor or a dict with a 'loss' tensor (skipping a step by returning None is not "
+                    f"supported)."
+                )
+            losses[mb] = loss.detach()  # read once after the step: a read per micro-batch would stall a GPU
+            if isinstance(output, Mapping) and len(output) > 1:
+                extras[mb] = {k: v.detach() if isinstance(v, Tensor) else v for k, v in output.items() if k != "loss"}
+            return scaler.scale(loss * weights[mb]) if scaler is not None else loss * weights[mb]
+
+        schedule = self.schedule_for(len(microbatches), not training)
+        events: list[TimelineEvent] | None = [] if training and timing_sink is not None else None
+        params: list[torch.nn.Parameter] = []
+        previous: list[Tensor | None] = []
+        if training:
+            # Lightning zeroes gradients between training_step and backward: keep this step's gradients aside and
+            # hand them over in the strategy's `backward`, leaving earlier (accumulated) gradients to Lightning
+            params = [p for p in module.parameters() if p.requires_grad]
+            previous = [p.grad for p in params]
+            for p in params:
+                p.grad = None
+            self.last_schedule = schedule
+        self.steps_run += 1
+        self.randomness.begin_step(self.steps_run)
+        try:
+            run_stage(schedule.actions[self.stage], forward, self.p2p, is_last=last, training=training, events=events,
+                      clock=step_clock(self.device) if events is not None else None)
+        finally:
+            view.on_blocks_start = None
+        if training:
+            sum_shared_grads()
+            self.pending_grads = [(p, p.grad) for p in params if p.grad is not None]
+            for p, grad in zip(params, previous, strict=True):
+                p.grad = grad
+
+        result: Any = None
+        extra: dict[str, Any] | None = None
+        records: list[Any] = []
+        if last and training:
+            records = self.recorder.combine(sizes)
+            order = sorted(losses)
+            values = torch.stack([losses[mb] for mb in order]).double().tolist()
+            result = sum(value * sizes[mb] for value, mb in zip(values, order, strict=True)) / total
+            if extras:
+                extra = move_data_to_device(merge_microbatches([extras[mb] for mb in order], sizes),
+                                            torch.device("cpu"))
+        elif last:
+            joined = merge_microbatches([block_outputs[mb] for mb in range(len(microbatches))], sizes)
+            with view.finishing(joined), self.randomness.pass_(-1), self.recorder.recording(module, 0):
+                result = move_data_to_device(user_step(batch, *rest, **kwargs), torch.device("cpu"))
+            records = self.recorder.combine([total])
+        result, extra, records = self._from_last_stage((result, extra, records))
+        replay(module, records, updated_here=last)
+        if events is not None and timing_sink is not None:
+            timing_sink(events, total)
+        if not training:
+            return move_data_to_device(result, self.device)
+        loss = torch.tensor(result, dtype=torch.get_default_dtype(), device=self.device)
+        # what training_step returned on one device: the loss, and any other entries merged over micro-batches
+        return {"loss": loss, **move_data_to_device(extra, self.device)} if extra else loss
+
+    def _microbatch_count(self, batch: Any) -> int:
+        """The configured count, or fewer for a batch with fewer samples (a last, partial batch)."""
+        size = batch_size(batch)
+        if size >= self.microbatches:
+            return self.microbatches
+        if not self._warned_small_batch:
+            self._warned_small_batch = True
+            warnings.warn(
+                f"A batch of {size} samples is split into {size} micro-batches instead of {self.microbatches} "
+                f"(PipelineParallelStrategy(microbatches={self.microbatches})); results are unchanged, the pipeline "
+                f"is less busy. Use batches of at least {self.microbatches} samples.", stacklevel=2)
+        return size
+
+    def _from_last_stage(self, payload: Any) -> Any:
+        if self.num_stages == 1:
+            return payload
+        box = [payload]
+        dist.broadcast_object_list(box, src=self.num_stages - 1)
+        return box[0]
