@@ -17,9 +17,9 @@ def test_uniform_balance_and_ranges() -> None:
 
 
 def test_balance_errors_name_values_and_fix() -> None:
-    with pytest.raises(PipelineConfigError, match=r"3 layers but the pipeline has 4 stages"):
+    with pytest.raises(PipelineConfigError, match=r"3 blocks but the pipeline has 4 stages"):
         uniform_balance(3, 4)
-    with pytest.raises(PipelineConfigError, match=r"sums to 7 but the sequential has 8 layers.*balance=\[4, 4\]"):
+    with pytest.raises(PipelineConfigError, match=r"sums to 7 but the block container has 8 blocks.*balance=\[4, 4\]"):
         validate_balance([3, 4], 8, 2)
     with pytest.raises(PipelineConfigError, match="has 3 entries but the pipeline has 2 stages"):
         validate_balance([3, 3, 2], 8, 2)
@@ -47,14 +47,42 @@ def test_split_batch_errors() -> None:
     ("kwargs", "message"),
     [
         ({"schedule": "interleaved"}, r"Unknown schedule 'interleaved'. Valid schedules: 1f1b, gpipe, naive"),
-        ({"microbatches": 0}, r"microbatches=0, but at least 1"),
-        ({"balance": [2, 0]}, r"balance=\[2, 0\] must list at least one layer"),
-        ({"timeout": 0}, r"timeout=0 must be a positive number of seconds"),
+        ({"microbatches": 0}, r"microbatches=0 \(int\): pass a positive integer"),
+        ({"microbatches": True}, r"microbatches=True \(bool\): pass a positive integer"),
+        ({"microbatches": 2.0}, r"microbatches=2.0 \(float\)"),
+        ({"balance": [2, 0]}, r"balance=\[2, 0\] must list at least one block for every stage"),
+        ({"balance": [1, True]}, r"balance=\[1, True\] must list"),
+        ({"balance": "22"}, r"balance='22' must list"),
+        ({"timeout": 0}, r"timeout=0 \(int\) must be a positive number of seconds"),
+        ({"timeout": "20"}, r"timeout='20' \(str\) must be a positive number of seconds"),
+        ({"process_group_timeout": -1}, r"process_group_timeout=-1 \(int\) must be a positive number"),
+        ({"process_group_timeout": "1h"}, r"process_group_timeout='1h' \(str\)"),
+        ({"reuse_cpu_memory": "no"}, r"reuse_cpu_memory='no' \(str\) must be True or False"),
+        ({"process_group_backend": "mpi2"}, r"process_group_backend='mpi2'; use 'gloo' \(CPU\) or 'nccl'"),
+        ({"checkpoint_format": "zip"}, r"checkpoint_format='zip'; use 'full'"),
+        ({"blocks": 3}, r"blocks=3 \(int\): pass the dotted path"),
+        ({"blocks": "a", "sequential": "b"}, r"blocks='a' and sequential='b' name different containers"),
     ],
 )
 def test_strategy_rejects_bad_arguments(kwargs: dict, message: str) -> None:
     with pytest.raises(PipelineConfigError, match=message):
         PipelineParallelStrategy(**kwargs)
+
+
+def test_timeouts_are_separate() -> None:
+    from datetime import timedelta
+
+    strategy = PipelineParallelStrategy(timeout=20)
+    assert strategy.timeout == 20.0
+    assert strategy.process_group_timeout == timedelta(minutes=30)  # Lightning's (torch's) default
+    assert PipelineParallelStrategy(process_group_timeout=90).process_group_timeout == timedelta(seconds=90)
+
+
+def test_balance_for_another_world_size_fails_before_launch() -> None:
+    import lightning as L
+
+    with pytest.raises(PipelineConfigError, match=r"balance=\[1, 1, 2\] describes 3 stages but the Trainer runs 2"):
+        L.Trainer(strategy=PipelineParallelStrategy(balance=[1, 1, 2]), accelerator="cpu", devices=2, logger=False)
 
 
 def test_registry_alias() -> None:

@@ -1,0 +1,138 @@
+"""Single-process tier: finding the block container, a stage's view of it, and structures crossing a boundary."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+from lightning_pp import PipelineConfigError
+from lightning_pp._tree import decode_spec, encode_spec, flatten, unflatten
+from lightning_pp.model.blocks import find_blocks
+from lightning_pp.model.stage import StageOutput, StageView
+
+
+class Block(nn.Module):
+    def __init__(self, dim: int = 4) -> None:
+        super().__init__()
+        self.linear = nn.Linear(dim, dim)
+        self.mlp = nn.Sequential(nn.Linear(dim, dim), nn.ReLU(), nn.Linear(dim, dim))  # a container inside a block
+        self.attention_type = "causal"
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(self.linear(x)) * mask
+
+
+class NanoStyle(nn.Module):
+    """Blocks in an nn.ModuleList inside an nn.ModuleDict, looped in forward with a mask (nanoGPT's layout)."""
+
+    def __init__(self, layers: int = 4) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict({"wte": nn.Embedding(10, 4), "h": nn.ModuleList([Block() for _ in range(layers)]),
+                                          "ln_f": nn.LayerNorm(4)})
+        self.head = nn.Linear(4, 10)
+
+    def forward(self, tokens: torch.Tensor, upto: int | None = None) -> torch.Tensor:
+        x = self.transformer["wte"](tokens)
+        mask = torch.ones_like(x)
+        blocks = self.transformer["h"]
+        for block in blocks[: upto if upto is not None else len(blocks)]:
+            assert block.attention_type == "causal"  # a plain attribute the loop reads, on stand-ins too
+            x = block(x, mask)
+        return self.head(self.transformer["ln_f"](x))
+
+
+def test_finds_the_module_list_of_blocks_not_containers_inside_a_block() -> None:
+    name, container = find_blocks(NanoStyle(), None)
+    assert name == "transformer.h" and isinstance(container, nn.ModuleList)
+
+
+def test_named_container_and_errors() -> None:
+    model = NanoStyle()
+    assert find_blocks(model, "transformer.h")[0] == "transformer.h"
+    with pytest.raises(PipelineConfigError, match=r"has Linear at 'head', not an nn.Sequential.*'transformer.h' "
+                                                  r"\(4 blocks, "):
+        find_blocks(model, "head")
+    with pytest.raises(PipelineConfigError, match="has nothing at 'nope'"):
+        find_blocks(model, "nope")
+    with pytest.raises(PipelineConfigError, match="has no nn.Sequential, nn.ModuleList or nn.ModuleDict of repeated"):
+        find_blocks(nn.Sequential(nn.Linear(2, 2)), None)
+
+
+def test_encoder_decoder_is_ambiguous_and_says_so() -> None:
+    model = nn.Transformer(d_model=8, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=16)
+    with pytest.raises(PipelineConfigError, match=r"'decoder.layers' \(2 blocks, .*'encoder.layers' \(2 blocks.*"
+                                                  r"encoder-decoder such as nn.Transformer or T5"):
+        find_blocks(model, None)
+
+
+def run_stage_step(model: NanoStyle, view: StageView, received: Any, stop: bool, **kwargs: Any) -> Any:
+    with view.microbatch(received, stop_after_blocks=stop):
+        try:
+            return model(torch.tensor([[1, 2, 3]]), **kwargs)
+        except StageOutput as end:
+            return end.output
+
+
+def test_two_stages_in_one_process_equal_the_whole_model() -> None:
+    torch.manual_seed(0)
+    whole = NanoStyle()
+    expected = whole(torch.tensor([[1, 2, 3]]))
+    first, last = NanoStyle(), NanoStyle()
+    first.load_state_dict(whole.state_dict())
+    last.load_state_dict(whole.state_dict())
+    ranges = [range(0, 3), range(3, 4)]
+    first_view = StageView("transformer.h", first.transformer["h"], 0, ranges)
+    last_view = StageView("transformer.h", last.transformer["h"], 1, ranges)
+    # stand-ins hold no weights; state-dict keys keep their full-model names
+    assert sorted({k.split(".")[2] for k in last.state_dict() if k.startswith("transformer.h.")}) == ["3"]
+    assert len(last.transformer["h"]) == 4
+    sent = run_stage_step(first, first_view, None, stop=True)
+    received = sent.detach().requires_grad_()
+    out = run_stage_step(last, last_view, received, stop=False)
+    torch.testing.assert_close(out, expected, rtol=0, atol=0)
+    out.sum().backward()
+    assert received.grad is not None  # the gradient to send upstream
+    with pytest.raises(PipelineConfigError, match="Block 0 of `transformer.h` is held by pipeline stage 0"):
+        last(torch.tensor([[1, 2, 3]]))  # outside a pipelined step
+
+
+def test_stand_in_attribute_error_names_the_stage() -> None:
+    model = NanoStyle()
+    StageView("transformer.h", model.transformer["h"], 1, [range(0, 2), range(2, 4)])
+    stand_in = model.transformer["h"][0]
+    assert stand_in.attention_type == "causal"
+    assert not hasattr(stand_in, "linear")
+    with pytest.raises(AttributeError, match=r"Block 0 of `transformer.h` \(Block\) is held by pipeline stage 0"):
+        _ = stand_in.linear
+
+
+def test_in_place_first_block_gets_a_fresh_tensor() -> None:
+    blocks = nn.Sequential(nn.Linear(3, 3), nn.ReLU(inplace=True), nn.Linear(3, 3))
+    view = StageView("blocks", blocks, 1, [range(0, 1), range(1, 3)])
+    received = torch.randn(2, 3).requires_grad_()
+    with view.microbatch(received, stop_after_blocks=False):
+        blocks(torch.zeros(2, 3)).sum().backward()
+    assert received.grad is not None
+
+
+@pytest.mark.parametrize("obj", [
+    torch.ones(2),
+    (torch.ones(2), None, 3, "x"),
+    {"h": torch.ones(2, 3), "scale": None, 1: [torch.zeros(1), 2.5, True]},
+    [],
+])
+def test_structures_round_trip(obj: Any) -> None:
+    tensors, spec = flatten(obj)
+    rebuilt = unflatten(decode_spec(encode_spec(spec)), tensors)
+    assert repr(rebuilt) == repr(obj)
+
+
+def test_unsupported_structure_is_our_error() -> None:
+    from collections import namedtuple
+
+    Pair = namedtuple("Pair", "a b")
+    with pytest.raises(PipelineConfigError, match="handed the next block a Pair"):
+        flatten(Pair(torch.ones(1), torch.ones(1)))
