@@ -34,10 +34,16 @@ class NanoStyle(nn.Module):
         self.transformer = nn.ModuleDict({"wte": nn.Embedding(10, 4), "h": blocks, "ln_f": nn.LayerNorm(4)})
         self.head = nn.Linear(4, 10)
 
+    @property
+    def blocks(self) -> nn.ModuleList:
+        blocks = self.transformer["h"]
+        assert isinstance(blocks, nn.ModuleList)
+        return blocks
+
     def forward(self, tokens: torch.Tensor, upto: int | None = None) -> torch.Tensor:
         x = self.transformer["wte"](tokens)
         mask = torch.ones_like(x)
-        blocks = self.transformer["h"]
+        blocks = self.blocks
         for block in blocks[: upto if upto is not None else len(blocks)]:
             assert block.attention_type == "causal"  # a plain attribute the loop reads, on stand-ins too
             x = block(x, mask)
@@ -88,7 +94,7 @@ def test_two_stages_in_one_process_equal_the_whole_model() -> None:
     last_view = StageView("transformer.h", last.transformer["h"], 1, ranges)
     # stand-ins hold no weights; state-dict keys keep their full-model names
     assert sorted({k.split(".")[2] for k in last.state_dict() if k.startswith("transformer.h.")}) == ["3"]
-    assert len(last.transformer["h"]) == 4
+    assert len(last.blocks) == 4
     sent = run_stage_step(first, first_view, None, stop=True)
     received = sent.detach().requires_grad_()
     out = run_stage_step(last, last_view, received, stop=False)
@@ -102,7 +108,7 @@ def test_two_stages_in_one_process_equal_the_whole_model() -> None:
 def test_stand_in_attribute_error_names_the_stage() -> None:
     model = NanoStyle()
     StageView("transformer.h", model.transformer["h"], 1, [range(0, 2), range(2, 4)])
-    stand_in = model.transformer["h"][0]
+    stand_in = model.blocks[0]
     assert stand_in.attention_type == "causal"
     assert not hasattr(stand_in, "linear")
     with pytest.raises(AttributeError, match=r"Block 0 of `transformer.h` \(Block\) is held by pipeline stage 0"):
