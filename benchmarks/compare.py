@@ -4,19 +4,20 @@ Run ``python benchmarks/compare.py`` (with ``PYTHONPATH`` pointing at the reposi
 One invocation measures, for every configuration (an MLP of 8 blocks ``Linear(H, H) + GELU``, batch 128, MSE loss
 against a random target, SGD; hidden sizes ``--hidden``; and, unless ``--no-gpt``, the GPT-style module of
 ``examples/train_gpt.py`` with 8 blocks of width 256, 4 heads, sequences of 64 random tokens, batch 32, AdamW;
-schedules ``--schedules``; ``--stages`` stages, 8 micro-batches):
+schedules ``--schedules``; ``--stages`` stages, 8 micro-batches). Every runner reads its batches from a
+``torch.utils.data.DataLoader`` over the same data with the same batch size and no workers:
 
 1. **lightning_pp**: the LightningModule trained by ``L.Trainer(accelerator=..., devices=p,
-   strategy=PipelineParallelStrategy(schedule=..., microbatches=8), max_steps=N)`` in ``p`` processes.
+   strategy=PipelineParallelStrategy(schedule=..., microbatches=8), max_steps=N + 1)`` in ``p`` processes.
 2. **torch.distributed.pipelining**: the same layers split by hand (``8 / p`` consecutive blocks per rank),
    ``PipelineStage`` + ``ScheduleGPipe``/``Schedule1F1B`` with ``n_microbatches=8, loss_fn=mse``, in a plain loop
-   (``schedule.step`` then ``optimizer.step``/``zero_grad``) in ``p`` processes.
+   (next batch, copy to the device, ``schedule.step``, ``optimizer.step``/``zero_grad``) in ``p`` processes.
    Not for the GPT: its head is tied to the token embedding, one weight on the first and the last stage, which
    ``PipelineStage`` cannot express.
 3. **torch.distributed.pipelining + freed memory kept** (CPU only): the same, with glibc told to keep freed memory in
    the process (what ``PipelineParallelStrategy(reuse_cpu_memory=True)``, the default, does on CPU), to show how much
    of the difference is the allocator.
-4. **single process**: the whole model in one process, plain PyTorch loop over the whole batch (no micro-batches).
+4. **single process**: the whole model in one process, the same plain loop over the whole batch (no micro-batches).
 
 Every process runs with one CPU thread (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``). ``--device`` picks
 where: ``cpu`` computes there and communicates over gloo; ``cuda`` gives rank ``r`` GPU ``r`` and uses NCCL (the
@@ -27,11 +28,18 @@ launched as subprocesses the way torchrun would (``MASTER_ADDR``, ``MASTER_PORT`
 
 Definitions (``p`` stages, ``m`` micro-batches, ``T_single`` the single-process median step time):
 
-- **step time**: wall time of one optimizer step on rank 0 (first stage, which finishes last in both schedules), from
-  the start of the step to the end of ``optimizer.step``/``zero_grad`` (on GPU, after ``torch.cuda.synchronize``).
-  For lightning_pp: a Callback's ``on_train_batch_start`` to ``on_train_batch_end`` (``time.perf_counter``); for
-  torch: around ``schedule.step`` + ``optimizer.step`` + ``zero_grad``. Reported: median over the steps after the
-  first ``--warmup`` (default 3) of every launch, with min-max.
+- **step time**: wall time on rank 0 (first stage, which finishes last in both schedules) from the start of one
+  step to the start of the next (``time.perf_counter``; on GPU after ``torch.cuda.synchronize``, so that the clock
+  covers the queued kernels). Every runner is timed by this same window, so that each pays for everything its loop
+  does per step: fetching and collating the batch from the ``DataLoader``, copying it to the device, the
+  forward/backward schedule, ``optimizer.step``/``zero_grad``, and any bookkeeping between steps (Lightning's
+  hooks, logging and progress tracking; a plain loop has next to none). Timing only the compute of the step would
+  leave out exactly the costs in which a framework's loop differs from a hand-written one. For lightning_pp the
+  clock is read in a Callback's ``on_train_batch_start`` and ``fit`` runs one step more than is timed, whose start
+  ends the last timed step; for the plain loops it is read at the top of every iteration, before the next batch is
+  fetched, and one more time after the last timed step. (Lightning calls the hook after fetching and copying the
+  batch, so its window holds the next batch's loading rather than its own: the same work per step.) Reported:
+  median over the steps after the first ``--warmup`` (default 3) of every launch, with min-max.
 - **ratio to torch**: median step of the runner / median step of torch.distributed.pipelining, same schedule.
 - **ideal**: ``T_single * (m + p - 1) / (m * p)``, the step time of a perfect ``p``-way split of the work with the
   unavoidable fill/drain bubble of ``p - 1`` micro-batch slots and no other cost.
@@ -43,7 +51,7 @@ Definitions (``p`` stages, ``m`` micro-batches, ``T_single`` the single-process 
   wall time the stages did not compute), median over a separate short run with ``logging_interval=1`` (that run is
   not used for step times, as timing every action costs a little). lightning_pp only.
 - **peak activation memory per stage**, measured over one step after warm-up, the same way for all runners (for
-  lightning_pp in the monitor run):
+  lightning_pp in the monitor run; for the plain loops in one extra step after the timed ones, which is not timed):
 
   - CPU has no allocator peak to read, so this counts the bytes of tensors saved for backward:
     ``torch.autograd.graph.saved_tensors_hooks`` records every saved tensor; its storage is counted once
@@ -69,6 +77,7 @@ import tempfile
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager, nullcontext
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -126,12 +135,39 @@ def model_label(model: str, hidden: int) -> str:
     return f"MLP {NUM_LAYERS}x{hidden}"
 
 
-def make_batches(hidden: int, steps: int, device: Any = "cpu") -> list[tuple[Any, Any]]:
+def make_batches(hidden: int, steps: int) -> list[tuple[Any, Any]]:
     import torch
 
     gen = torch.Generator().manual_seed(1)
-    return [(torch.randn(BATCH, hidden, generator=gen).to(device), torch.randn(BATCH, hidden, generator=gen).to(device))
+    return [(torch.randn(BATCH, hidden, generator=gen), torch.randn(BATCH, hidden, generator=gen))
             for _ in range(steps)]
+
+
+def make_loader(run: dict[str, Any], steps: int) -> Any:
+    """The ``DataLoader`` every runner reads: ``steps`` batches of the run's model, in order, on the CPU, no workers
+    (loading and collating happen in the training process, inside the timed window)."""
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+
+    if run["model"] == "gpt":
+        return DataLoader(make_tokens(steps), batch_size=GPT_BATCH, shuffle=False)
+    batches = make_batches(run["hidden"], steps)
+    data = TensorDataset(torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))
+    return DataLoader(data, batch_size=BATCH, shuffle=False)
+
+
+def to_device(batch: Any, device: Any) -> Any:
+    """A collated batch (a tensor, or a list of them) on ``device``, copied as Lightning's ``batch_to_device`` does."""
+    import torch
+
+    if isinstance(batch, torch.Tensor):
+        return batch.to(device, non_blocking=True)
+    return [tensor.to(device, non_blocking=True) for tensor in batch]
+
+
+def step_windows(marks: list[float]) -> list[float]:
+    """Step times from the clock read at the start of every step and once more when the last one has ended."""
+    return [end - start for start, end in pairwise(marks)]
 
 
 class SavedTensorMeter:
@@ -263,7 +299,6 @@ def worker_single(run: dict[str, Any]) -> dict[str, Any]:
     if run["model"] == "gpt":
         model = make_gpt().to(device)
         opt = torch.optim.AdamW(model.parameters(), lr=1e-3)
-        batches: list[Any] = list(make_tokens(run["steps"]).to(device).split(GPT_BATCH))
 
         def next_token_loss(tokens: Any) -> Any:
             logits = model(tokens[:, :-1])
@@ -273,7 +308,6 @@ def worker_single(run: dict[str, Any]) -> dict[str, Any]:
     else:
         model = make_layers(run["hidden"]).to(device)
         opt = torch.optim.SGD(model.parameters(), lr=LR)
-        batches = make_batches(run["hidden"], run["steps"], device)
 
         def mse_loss(batch: Any) -> Any:
             return F.mse_loss(model(batch[0]), batch[1])
@@ -281,19 +315,19 @@ def worker_single(run: dict[str, Any]) -> dict[str, Any]:
         loss_of = mse_loss
 
     meter = step_memory_meter(model, device)
-    times: list[float] = []
-    for i, batch in enumerate(batches):
-        synchronize(device)
-        start = time.perf_counter()
-        metered = meter.measure() if i == run["warmup"] else nullcontext()
+    batches = iter(make_loader(run, run["steps"] + 1))
+    marks: list[float] = []
+    for i in range(run["steps"] + 1):
+        synchronize(device)  # so that the clock covers the previous step's queued kernels
+        marks.append(time.perf_counter())
+        batch = to_device(next(batches), device)
+        # one extra step after the timed ones is metered (the hooks cost time); its start ends the last timed step
+        metered = meter.measure() if i == run["steps"] else nullcontext()
         with metered:  # the whole step, as for the pipelines (the optimizer's temporaries count on a GPU)
             loss_of(batch).backward()
             opt.step()
             opt.zero_grad()
-        synchronize(device)
-        if i != run["warmup"]:  # the metered step pays for the hooks
-            times.append(time.perf_counter() - start)
-    return {"times": times, "peak_saved_bytes": meter.peak}
+    return {"times": step_windows(marks), "peak_saved_bytes": meter.peak}
 
 
 def worker_torch(run: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
@@ -309,7 +343,6 @@ def worker_torch(run: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
     schedule_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[run["schedule"]]
     schedule = schedule_cls(stage, n_microbatches=MICROBATCHES, loss_fn=F.mse_loss)
     opt = torch.optim.SGD(submodule.parameters(), lr=LR)
-    batches = make_batches(run["hidden"], run["steps"] + 1, device)
     meter = step_memory_meter(submodule, device)
     is_first, is_last = rank == 0, rank == world - 1
 
@@ -323,16 +356,17 @@ def worker_torch(run: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
             schedule.step()
         opt.step()
         opt.zero_grad()
-        synchronize(device)
 
-    times: list[float] = []
-    for x, y in batches[:run["steps"]]:
-        start = time.perf_counter()
-        step(x, y)
-        times.append(time.perf_counter() - start)
-    with meter.measure():  # one extra step, metered, not timed
-        step(*batches[run["steps"]])
-    return {"times": times if is_first else [], "peak_saved_bytes": meter.peak}
+    batches = iter(make_loader(run, run["steps"] + 1))
+    marks: list[float] = []
+    for i in range(run["steps"] + 1):
+        synchronize(device)  # so that the clock covers the previous step's queued kernels
+        marks.append(time.perf_counter())
+        x, y = to_device(next(batches), device)
+        # one extra step after the timed ones is metered (the hooks cost time); its start ends the last timed step
+        with meter.measure() if i == run["steps"] else nullcontext():
+            step(x, y)
+    return {"times": step_windows(marks) if is_first else [], "peak_saved_bytes": meter.peak}
 
 
 def worker_lightning(run: dict[str, Any], rank: int) -> dict[str, Any]:
@@ -341,7 +375,6 @@ def worker_lightning(run: dict[str, Any], rank: int) -> dict[str, Any]:
     import torch.nn.functional as F
     from lightning.pytorch.callbacks import Callback
     from torch import nn
-    from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_pp import PipelineMonitor, PipelineParallelStrategy
 
@@ -360,20 +393,15 @@ def worker_lightning(run: dict[str, Any], rank: int) -> dict[str, Any]:
             return torch.optim.SGD(self.parameters(), lr=LR)
 
     class StepTimer(Callback):
+        """Reads the clock at the start of every training batch: consecutive marks bound one step's window."""
+
         def __init__(self) -> None:
-            self.times: list[float] = []
-            self._start = 0.0
+            self.marks: list[float] = []
 
         def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                                  batch_idx: int) -> None:
-            synchronize(pl_module.device)  # the batch's copy to the device is not part of the step
-            self._start = time.perf_counter()
-
-        def on_train_batch_end(self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any,
-                               batch_idx: int) -> None:
-            if trainer.global_rank == 0:
-                synchronize(pl_module.device)
-                self.times.append(time.perf_counter() - self._start)
+            synchronize(pl_module.device)  # so that the clock covers the previous step's queued kernels
+            self.marks.append(time.perf_counter())
 
     class MemoryProbe(Callback):
         """Meters the saved tensors of one training step (hooks pushed at batch start, popped at batch end)."""
@@ -397,24 +425,17 @@ def worker_lightning(run: dict[str, Any], rank: int) -> dict[str, Any]:
                 self._ctx = None
 
     def fit(steps: int, callbacks: list[Callback]) -> None:
-        module: L.LightningModule
-        if run["model"] == "gpt":
-            module, data, batch = make_gpt(), make_tokens(steps), GPT_BATCH
-        else:
-            batches = make_batches(hidden, steps)
-            module = MLP()
-            data = TensorDataset(torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))
-            batch = BATCH
+        module: L.LightningModule = make_gpt() if run["model"] == "gpt" else MLP()
         trainer = L.Trainer(
             accelerator="gpu" if run["device"] == "cuda" else "cpu", devices=run["stages"],
             strategy=PipelineParallelStrategy(schedule=run["schedule"], microbatches=MICROBATCHES),
             max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
             enable_model_summary=False, callbacks=callbacks,
         )
-        trainer.fit(module, DataLoader(data, batch_size=batch, shuffle=False))
+        trainer.fit(module, make_loader(run, steps))
 
     timer = StepTimer()
-    fit(run["steps"], [timer])
+    fit(run["steps"] + 1, [timer])  # the extra step's start ends the last timed step
     bubbles: list[float] = []
     peak_saved_bytes = None
     if run["monitor_steps"] > 0:
@@ -423,7 +444,7 @@ def worker_lightning(run: dict[str, Any], rank: int) -> dict[str, Any]:
         fit(run["monitor_steps"], [monitor, probe])
         bubbles = [h["pipeline/bubble_fraction"] for h in monitor.history if "pipeline/bubble_fraction" in h]
         peak_saved_bytes = probe.meter.peak if probe.meter is not None else None
-    return {"times": timer.times if rank == 0 else [], "bubble_fractions": bubbles,
+    return {"times": step_windows(timer.marks[:run["steps"] + 1]) if rank == 0 else [], "bubble_fractions": bubbles,
             "peak_saved_bytes": peak_saved_bytes}
 
 
