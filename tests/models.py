@@ -89,10 +89,12 @@ class TiedLM(L.LightningModule):
 
 
 class TwoSequentials(MLPClassifier):
+    """Two block containers of similar size (an encoder-decoder's shape): which to split is ambiguous."""
+
     def __init__(self) -> None:
         super().__init__()
         self.encoder = self.layers
-        self.decoder = nn.Sequential(nn.Identity())
+        self.decoder = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(3)])
         del self.layers
 
 
@@ -115,6 +117,15 @@ class NoSequentialCall(MLPClassifier):
         for layer in self.layers:  # iterates instead of calling the sequential
             hidden = layer(hidden)
         return nn.functional.cross_entropy(self.head(hidden), y)
+
+
+class FailsOnRankZero(MLPClassifier):
+    """A bug in the user's step that only shows on global rank 0, at step 1."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        if self.global_rank == 0 and self.trainer.global_step == 1:
+            raise RuntimeError("a bug in the user's training_step")
+        return super().training_step(batch, batch_idx)
 
 
 class InfOnOneStage(MLPClassifier):
@@ -317,7 +328,7 @@ def make_data(model_name: str, batch_size: int = 8, batches: int = 4, seed: int 
 
 MODELS: dict[str, Callable[[], L.LightningModule]] = {
     "mlp": MLPClassifier, "tied": TiedLM, "two_sequentials": TwoSequentials, "too_few_layers": TooFewLayers,
-    "manual": ManualOptimization, "no_sequential_call": NoSequentialCall, "sequential_in_hook": SequentialInHook,
+    "manual": ManualOptimization, "no_sequential_call": NoSequentialCall, "fails_on_rank_zero": FailsOnRankZero, "sequential_in_hook": SequentialInHook,
     "inf_on_one_stage": InfOnOneStage,
     "lifecycle": Lifecycle, "everyday": Everyday, "bn_head": BatchNormHead, "parameterless_stage": ParameterlessStage,
     "frozen_front": FrozenFront,
@@ -445,3 +456,60 @@ class GradientRecorder(L.Callback):
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
         self.grads.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None})
+
+
+class AppliedGradientRecorder(L.Callback):
+    """Keeps, at every optimizer step, the gradients ``optimizer.step`` applies: recorded by a step pre-hook, so after
+    the strategy has summed replicated weights and after clipping (``on_before_optimizer_step`` runs before clipping).
+    """
+
+    def __init__(self) -> None:
+        self.grads: list[dict[str, torch.Tensor]] = []
+        self._handles: list[Any] = []
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        def record(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            self.grads.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters()
+                               if p.grad is not None})
+
+        self._handles = [optimizer.register_step_pre_hook(record) for optimizer in trainer.optimizers]
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
+
+
+class MLPClassifierSGD(MLPClassifier):
+    """The MLP with SGD (momentum, weight decay, StepLR): updates proportional to gradients, so fp32 summation-order
+    noise stays at noise level in the parameters and they can be compared element-wise after training."""
+
+    def configure_optimizers(self) -> Any:
+        optimizer = torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9, weight_decay=0.01)
+        scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.5)
+        return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
+
+
+class TiedClassifierSGD(L.LightningModule):
+    """The SGD counterpart of `TiedLM` (on the MLP's data): the head reuses the input projection's weight, so stage 0
+    and the last stage share a weight; SGD keeps the parameters comparable element-wise (see `MLPClassifierSGD`)."""
+
+    def __init__(self, in_features: int = 10, dim: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(in_features, dim)
+        self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(dim, dim), nn.GELU()) for _ in range(4)])
+        self.norm = nn.LayerNorm(dim)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        logits = self.norm(self.blocks(self.inp(x))) @ self.inp.weight  # one logit per input feature, 5 used
+        loss = nn.functional.cross_entropy(logits, y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+
+MODELS["mlp_sgd"] = MLPClassifierSGD
+MODELS["tied_sgd"] = TiedClassifierSGD

@@ -77,6 +77,22 @@ def hang_at_step(model: str, rank_to_hang: int, step: int, **strategy: Any) -> d
     return train(model, trainer={"callbacks": [Sleeper()]}, **strategy)
 
 
+def stuck_at_step(model: str, rank_to_hang: int, step: int, **strategy: Any) -> dict[str, Any]:
+    """Rank ``rank_to_hang`` gets stuck for good at ``step`` (ignoring SIGTERM, as Lightning's handler does)."""
+    import time
+
+    import lightning as L
+
+    class Stuck(L.Callback):
+        def on_train_batch_start(self, trainer: Any, *args: Any) -> None:
+            if trainer.global_step == step and trainer.global_rank == rank_to_hang:
+                signal.signal(signal.SIGTERM, signal.SIG_IGN)
+                while True:
+                    time.sleep(3600)
+
+    return train(model, trainer={"callbacks": [Stuck()]}, **strategy)
+
+
 def monitored(model: str, schedule: str, microbatches: int, log_dir: str | None, max_steps: int = 3,
               timeline_every_n_steps: int = 2) -> dict[str, Any]:
     """Train with a PipelineMonitor measuring every step; return its history (rank 0) and where logs went."""
@@ -146,3 +162,38 @@ def p2p_exchange(steps: list[list[tuple[str, list[int]]]], prefetch: int = 2) ->
     finally:
         dist.destroy_process_group()
     return received
+
+
+def train_applied_grads(model: str, trainer: dict[str, Any] | None = None, **kwargs: Any) -> dict[str, Any]:
+    """`train`, also returning the gradients every optimizer step applied on this stage (after clipping)."""
+    from models import AppliedGradientRecorder
+
+    recorder = AppliedGradientRecorder()
+    extra = dict(trainer or {})
+    extra["callbacks"] = [*extra.get("callbacks", []), recorder]
+    return {**train(model, trainer=extra, **kwargs), "grads": recorder.grads}
+
+
+def ignore_sigterm_forever(pid_dir: str) -> None:
+    """Ignore SIGTERM, start a child that does too, write both pids to ``pid_dir``, then sleep until killed."""
+    import subprocess
+    import sys
+    import time
+    from pathlib import Path
+
+    signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
+                              "signal.SIG_IGN); time.sleep(3600)"])
+    path = Path(pid_dir) / f"rank{os.environ['LOCAL_RANK']}.pids"
+    path.with_suffix(".tmp").write_text(f"{os.getpid()} {child.pid}")
+    path.with_suffix(".tmp").rename(path)  # whole or absent for a reader
+    while True:
+        time.sleep(3600)
+
+
+def train_real(model: str, timeout: float = 60, dirpath: str | None = None, **strategy: Any) -> dict[str, Any]:
+    """Train a model of real_models.py pipelined, as its ``SPECS`` entry says; what its test compares."""
+    import real_models
+
+    return real_models.run(model, PipelineParallelStrategy(timeout=timeout, **strategy), devices=WORLD_SIZE,
+                           dirpath=dirpath)

@@ -10,27 +10,25 @@ from _launch import launch
 def test_configuration_errors_on_every_rank() -> None:
     runs = [
         {"scenario": "expect_error", "kwargs": {"model": "mlp", "balance": [3, 3]}},
-        {"scenario": "expect_error", "kwargs": {"model": "mlp", "balance": [1, 1, 6]}},
-        {"scenario": "expect_error", "kwargs": {"model": "mlp", "sequential": "head"}},
+        {"scenario": "expect_error", "kwargs": {"model": "mlp", "blocks": "head"}},
         {"scenario": "expect_error", "kwargs": {"model": "two_sequentials"}},
-        {"scenario": "expect_error", "kwargs": {"model": "too_few_layers"}},
+        {"scenario": "expect_error", "kwargs": {"model": "too_few_layers", "blocks": "layers"}},
         {"scenario": "expect_error", "kwargs": {"model": "manual"}},
-        {"scenario": "expect_error", "kwargs": {"model": "mlp", "microbatches": 16}},
         {"scenario": "expect_error", "kwargs": {"model": "sequential_in_hook"}},
-        {"scenario": "expect_error", "kwargs": {"model": "parameterless_stage"}},
+        {"scenario": "expect_error", "kwargs": {"model": "parameterless_stage", "blocks": "layers"}},
     ]
     expected = [
-        r"balance=[3, 3] sums to 6 but the sequential has 8 layers",
-        r"balance=[1, 1, 6] describes 3 stages but the Trainer runs 2 processes",
-        r"has no nn.Sequential at 'head'. Direct nn.Sequential attributes: ['layers']",
-        r"found 2: ['encoder', 'decoder']. Name the one to partition",
-        r"The sequential has 1 layers but the pipeline has 2 stages",
+        r"balance=[3, 3] sums to 6 but the block container has 8 blocks",
+        r"has Linear at 'head', not an nn.Sequential, nn.ModuleList or nn.ModuleDict of blocks. Containers of "
+        r"repeated blocks found: 'layers' (8 blocks, ",
+        r"several containers of repeated blocks of similar size: 'encoder' (8 blocks, 1,304 parameters), 'decoder' "
+        r"(3 blocks, 816 parameters)",
+        r"The block container has 1 blocks but the pipeline has 2 stages",
         r"uses manual optimization",
-        r"A batch of 8 samples cannot be split into 16 micro-batches",
-        r"it can only be called inside a pipelined training, validation, test or predict step, not from other hooks",
+        r"the blocks can only run inside a pipelined training, validation, test or predict step, not from other hooks",
         r"configure_optimizers failed on 1 pipeline stage(s): stage 1 (ValueError: optimizer got an empty parameter "
-        r"list; it holds layers ['2', '3'] of `layers` and 0 parameters, 0 trainable, counting those outside the "
-        r"sequential). Each stage's optimizer gets only that stage's parameters",
+        r"list; it holds blocks 2-3 of `layers` and 0 parameters, 0 trainable, counting those outside the "
+        r"blocks). Each stage's optimizer gets only that stage's parameters",
     ]
     ranks = launch(2, runs, timeout=200)
     for rank in ranks:
@@ -42,14 +40,25 @@ def test_configuration_errors_on_every_rank() -> None:
 
 
 def test_user_error_on_one_stage_reaches_the_other() -> None:
-    """The first stage's step fails (it iterates over the sequential); the last stage must not wait forever."""
-    ranks = launch(2, [{"scenario": "train", "kwargs": {"model": "no_sequential_call", "timeout": 20}}], timeout=120)
-    assert ranks[0].errors[0]["type"] == "PipelineConfigError"
-    assert "The step iterates over `self.layers`" in ranks[0].errors[0]["message"]
+    """The first stage's step fails; the last stage, waiting for its activation, fails naming the action and peer."""
+    ranks = launch(2, [{"scenario": "train", "kwargs": {"model": "fails_on_rank_zero", "timeout": 20}}], timeout=120)
+    assert ranks[0].errors[0]["type"] == "RuntimeError"
     error = ranks[1].errors[0]
     assert error["type"] in ("PipelineTimeoutError", "PipelineCommError"), error
     assert "Pipeline stage 1 (rank 1) failed in action 1RECV_F0" in error["message"]
     assert "peer stage 0 (rank 0)" in error["message"]
+
+
+def test_stuck_rank_ends_when_its_peer_fails() -> None:
+    """Stage 1 gets stuck for good (SIGTERM ignored); stage 0 times out, and its failure ends stage 1 too."""
+    start = time.monotonic()
+    ranks = launch(2, [{"scenario": "stuck_at_step", "kwargs": {"model": "mlp", "rank_to_hang": 1, "step": 1,
+                                                                 "timeout": 5}}], timeout=100)
+    assert time.monotonic() - start < 90
+    error = ranks[0].errors[0]
+    assert error["type"] == "PipelineTimeoutError", error
+    assert ranks[1].returncode == 1, ranks[1].output[-2000:]
+    assert "lightning_pp: rank 1 ends: stage 0 (rank 0) failed: PipelineTimeoutError: Pipeline stage 0" in ranks[1].output
 
 
 def test_dead_peer_raises_timeout_on_the_other_rank() -> None:
