@@ -328,7 +328,8 @@ def make_data(model_name: str, batch_size: int = 8, batches: int = 4, seed: int 
 
 MODELS: dict[str, Callable[[], L.LightningModule]] = {
     "mlp": MLPClassifier, "tied": TiedLM, "two_sequentials": TwoSequentials, "too_few_layers": TooFewLayers,
-    "manual": ManualOptimization, "no_sequential_call": NoSequentialCall, "fails_on_rank_zero": FailsOnRankZero, "sequential_in_hook": SequentialInHook,
+    "manual": ManualOptimization, "no_sequential_call": NoSequentialCall, "sequential_in_hook": SequentialInHook,
+    "fails_on_rank_zero": FailsOnRankZero,
     "inf_on_one_stage": InfOnOneStage,
     "lifecycle": Lifecycle, "everyday": Everyday, "bn_head": BatchNormHead, "parameterless_stage": ParameterlessStage,
     "frozen_front": FrozenFront,
