@@ -2,9 +2,10 @@
 
     python examples/train_gpt.py
 
-The transformer blocks live in an ``nn.Sequential`` and are split over the two processes; the token embedding, the
-position embedding and the head (tied to the token embedding) sit outside it and are replicated. The module is
-written as for single-device Lightning: only the Trainer's strategy names the pipeline. TensorBoard logs go to
+The transformer blocks live in an ``nn.ModuleList`` that ``forward`` loops over, passing each block the causal mask it
+builds (the nanoGPT / Hugging Face way); the strategy finds that list and splits it over the two processes. The token
+embedding, the position embedding and the head (tied to the token embedding) sit outside it and are held by both. The
+module is written as for single-device Lightning: only the Trainer's strategy names the pipeline. TensorBoard logs go to
 ``lightning_logs/gpt_pipeline`` (loss, perplexity and the PipelineMonitor's ``pipeline/*`` timings and timeline
 image): ``tensorboard --logdir lightning_logs``. Perfetto traces land in ``lightning_logs/pipeline_traces``.
 """
@@ -64,11 +65,11 @@ class Block(nn.Module):
         self.norm2 = nn.LayerNorm(dim)
         self.mlp = nn.Sequential(nn.Linear(dim, 4 * dim), nn.GELU(), nn.Linear(4 * dim, dim))
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
         batch, length, dim = x.shape
         q, k, v = self.qkv(self.norm1(x)).split(dim, dim=2)
         q, k, v = (t.view(batch, length, self.heads, dim // self.heads).transpose(1, 2) for t in (q, k, v))
-        attended = F.scaled_dot_product_attention(q, k, v, is_causal=True)
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
         x = x + self.proj(attended.transpose(1, 2).reshape(batch, length, dim))
         return x + self.mlp(self.norm2(x))
 
@@ -80,15 +81,19 @@ class GPT(L.LightningModule):
         self.save_hyperparameters()
         self.token_embedding = nn.Embedding(vocab_size, dim)
         self.position_embedding = nn.Embedding(block_size, dim)
-        self.blocks = nn.Sequential(*[Block(dim, heads) for _ in range(layers)])
+        self.blocks = nn.ModuleList([Block(dim, heads) for _ in range(layers)])
         self.norm = nn.LayerNorm(dim)
         self.head = nn.Linear(dim, vocab_size, bias=False)
         self.head.weight = self.token_embedding.weight  # tied: stage 0 and the last stage share this weight
 
     def forward(self, tokens: torch.Tensor) -> torch.Tensor:
-        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        length = tokens.shape[1]
+        positions = torch.arange(length, device=tokens.device)
+        mask = torch.ones(length, length, dtype=torch.bool, device=tokens.device).tril()  # True: may attend
         x = self.token_embedding(tokens) + self.position_embedding(positions)
-        return self.head(self.norm(self.blocks(x)))
+        for block in self.blocks:
+            x = block(x, mask)
+        return self.head(self.norm(x))
 
     def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
         logits = self(batch[:, :-1])
