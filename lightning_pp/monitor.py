@@ -79,6 +79,11 @@ class PipelineMonitor(pl.Callback):
         timeline_every_n_steps: Draw the timeline (and write the trace) every this many steps; must be a multiple
             of ``logging_interval``. ``0`` turns pictures and traces off.
         trace_dir: Folder for trace files and timeline pictures; ``None`` writes none.
+
+    Raises:
+        PipelineConfigError: On construction, for an argument of the wrong type (the step counts are ints, not bools
+            or floats; ``trace_dir`` is a str, an ``os.PathLike`` or ``None``) or value; when training starts, if the
+            Trainer's strategy is not a ``PipelineParallelStrategy``.
     """
 
     def __init__(self, logging_interval: int = 10, timeline_every_n_steps: int = 100,

@@ -346,10 +346,10 @@ def fp16_with_scaler() -> Any:
 
 def fit(model_name: str, strategy: Any = "auto", devices: int = 1, max_steps: int = 4,
         batch_size: int = 8, ckpt_path: str | None = None, save_to: str | None = None, accelerator: str = "cpu",
-        **trainer_kwargs: Any) -> tuple[L.LightningModule, RecordingLogger]:
+        seed: int = 7, **trainer_kwargs: Any) -> tuple[L.LightningModule, RecordingLogger]:
     """Seed, build, train (resuming from ``ckpt_path``, saving to ``save_to``); the same call runs the
     single-device reference and each pipelined rank."""
-    L.seed_everything(7, verbose=False)
+    L.seed_everything(seed, verbose=False)
     model = MODELS[model_name]()
     logger = RecordingLogger()
     trainer = L.Trainer(
@@ -460,18 +460,22 @@ class GradientRecorder(L.Callback):
 
 
 class AppliedGradientRecorder(L.Callback):
-    """Keeps, at every optimizer step, the gradients ``optimizer.step`` applies: recorded by a step pre-hook, so after
-    the strategy has summed replicated weights and after clipping (``on_before_optimizer_step`` runs before clipping).
+    """Keeps, at every optimizer step, the gradients ``optimizer.step`` applies and the weights they were computed at.
+
+    Recorded by a step pre-hook: after the strategy has summed the gradients of replicated weights and after clipping
+    (``on_before_optimizer_step``, where `GradientRecorder` records, runs before clipping), before the update.
     """
 
     def __init__(self) -> None:
         self.grads: list[dict[str, torch.Tensor]] = []
+        self.weights: list[dict[str, torch.Tensor]] = []
         self._handles: list[Any] = []
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         def record(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            self.grads.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters()
-                               if p.grad is not None})
+            named = list(pl_module.named_parameters())
+            self.grads.append({n: p.grad.detach().clone() for n, p in named if p.grad is not None})
+            self.weights.append({n: p.detach().clone() for n, p in named})
 
         self._handles = [optimizer.register_step_pre_hook(record) for optimizer in trainer.optimizers]
 
@@ -479,6 +483,21 @@ class AppliedGradientRecorder(L.Callback):
         for handle in self._handles:
             handle.remove()
         self._handles = []
+
+
+class LoadWeightsEachStep(L.Callback):
+    """Sets the weights to ``weights[step]`` as each optimizer step starts, so that every step's gradients are
+    computed at exactly those weights (whatever the optimizer did before): single-device gradients at the weights a
+    pipelined run had, step by step."""
+
+    def __init__(self, weights: list[dict[str, torch.Tensor]]) -> None:
+        self.weights = weights
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, *args: Any) -> None:
+        wanted = self.weights[trainer.global_step]  # the same for every batch an accumulated step sums
+        with torch.no_grad():
+            for name, parameter in pl_module.named_parameters():
+                parameter.copy_(wanted[name])
 
 
 class MLPClassifierSGD(MLPClassifier):

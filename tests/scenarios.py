@@ -15,8 +15,10 @@ WORLD_SIZE = int(os.environ["WORLD_SIZE"])  # read once: Lightning's environment
 
 def train(model: str, max_steps: int = 4, batch_size: int = 8, trainer: dict[str, Any] | None = None,
           timeout: float = 60, max_epochs: int | None = None, ckpt_path: str | None = None,
-          save_to: str | None = None, fp16_scaler: bool = False, **strategy: Any) -> dict[str, Any]:
-    """Train pipelined; return this stage's parameters and (on rank 0) the logged metrics."""
+          save_to: str | None = None, fp16_scaler: bool = False, seed_per_rank: bool = False,
+          **strategy: Any) -> dict[str, Any]:
+    """Train pipelined (each rank seeded differently with ``seed_per_rank``); return this stage's parameters and (on
+    rank 0) the logged metrics."""
     extra = dict(trainer or {})
     recorder = None
     if extra.pop("record_grads", False):
@@ -32,7 +34,7 @@ def train(model: str, max_steps: int = 4, batch_size: int = 8, trainer: dict[str
         extra["max_epochs"] = max_epochs
     module, logger = fit(model, PipelineParallelStrategy(timeout=timeout, **strategy),
                          devices=WORLD_SIZE, max_steps=max_steps, batch_size=batch_size, ckpt_path=ckpt_path,
-                         save_to=save_to, **extra)
+                         save_to=save_to, seed=7 + int(os.environ["LOCAL_RANK"]) if seed_per_rank else 7, **extra)
     scaler = getattr(module.trainer.precision_plugin, "scaler", None)
     return {"state": {k: v.detach().clone() for k, v in module.state_dict().items()}, "history": logger.history,
             "callback_metrics": {k: float(v) for k, v in module.trainer.callback_metrics.items()},
@@ -164,14 +166,15 @@ def p2p_exchange(steps: list[list[tuple[str, list[int]]]], prefetch: int = 2) ->
     return received
 
 
-def train_applied_grads(model: str, trainer: dict[str, Any] | None = None, **kwargs: Any) -> dict[str, Any]:
-    """`train`, also returning the gradients every optimizer step applied on this stage (after clipping)."""
+def train_recording_steps(model: str, trainer: dict[str, Any] | None = None, **kwargs: Any) -> dict[str, Any]:
+    """`train`, also returning what every optimizer step on this stage applied: the gradients (after clipping) and
+    the weights they were computed at."""
     from models import AppliedGradientRecorder
 
     recorder = AppliedGradientRecorder()
     extra = dict(trainer or {})
     extra["callbacks"] = [*extra.get("callbacks", []), recorder]
-    return {**train(model, trainer=extra, **kwargs), "grads": recorder.grads}
+    return {**train(model, trainer=extra, **kwargs), "grads": recorder.grads, "weights": recorder.weights}
 
 
 def ignore_sigterm_forever(pid_dir: str) -> None:

@@ -73,3 +73,35 @@ def test_monitor_arguments_are_checked() -> None:
         PipelineMonitor(logging_interval=10, timeline_every_n_steps=15)
     with pytest.raises(PipelineConfigError, match="logging_interval=0 must be at least 1"):
         PipelineMonitor(logging_interval=0)
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"logging_interval": True}, r"logging_interval=True\): logging_interval must be an int .*got bool"),
+        ({"logging_interval": 2.0}, r"logging_interval=2\.0\): logging_interval must be an int .*got float"),
+        ({"logging_interval": "10"}, r"logging_interval='10'\): .*got str; e\.g\. logging_interval=10"),
+        ({"logging_interval": -3}, r"logging_interval=-3 must be at least 1 step; e\.g\. logging_interval=10"),
+        ({"timeline_every_n_steps": None}, r"timeline_every_n_steps=None\): .*got NoneType; .*0 for no pictures"),
+        ({"timeline_every_n_steps": False}, r"timeline_every_n_steps=False\): .*got bool"),
+        ({"timeline_every_n_steps": -10}, r"timeline_every_n_steps=-10 must be 0 or a multiple"),
+        ({"trace_dir": 123}, r"trace_dir=123\): trace_dir must be a folder path \(str or os\.PathLike\) or None, "
+                             r"got int; e\.g\. trace_dir=\"lightning_logs/pipeline_traces\""),
+        ({"trace_dir": b"traces"}, r"trace_dir=b'traces'\): .*got bytes"),
+    ],
+)
+def test_monitor_argument_types_are_checked(kwargs: dict[str, object], match: str) -> None:
+    """Bad types fail in the constructor with our error (not a TypeError at the first measured step)."""
+    with pytest.raises(PipelineConfigError, match=match):
+        PipelineMonitor(**kwargs)  # type: ignore[arg-type]
+
+
+def test_monitor_accepts_paths_and_turning_pictures_off(tmp_path: Path) -> None:
+    class Folder:  # any os.PathLike, not only pathlib
+        def __fspath__(self) -> str:
+            return str(tmp_path / "traces")
+
+    assert PipelineMonitor(trace_dir=Folder()).trace_dir == tmp_path / "traces"  # type: ignore[arg-type]
+    assert PipelineMonitor(trace_dir=str(tmp_path)).trace_dir == tmp_path
+    monitor = PipelineMonitor(logging_interval=5, timeline_every_n_steps=0, trace_dir=None)
+    assert (monitor.logging_interval, monitor.timeline_every_n_steps, monitor.trace_dir) == (5, 0, None)
