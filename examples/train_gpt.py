@@ -1,4 +1,4 @@
-"""Train a small GPT-style character model pipeline-parallel on CPU with 2 processes (under a minute).
+"""Train a small GPT-style character model pipeline-parallel on CPU with 2 processes (a minute or two on 2 busy cores).
 
     python examples/train_gpt.py
 
