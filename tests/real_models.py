@@ -1,0 +1,629 @@
+"""LightningModules shaped like real models (Hugging Face GPT-2, nanoGPT, Llama-style decoders, a diffusion denoiser,
+fine-tuning), written as a user would with no pipeline in mind, and the one training run their tests compare.
+
+Every module brings its own data loaders (seeded, nothing downloaded), so ``run`` is the single entry point for the
+single-device reference and for each pipelined rank. The modules are also registered in ``models.MODELS``.
+"""
+
+from __future__ import annotations
+
+import math
+import tempfile
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning as L
+import torch
+from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint
+from models import MODELS, RecordingLogger
+from torch import nn
+from torch.nn import functional as F
+from torch.utils.data import DataLoader, TensorDataset
+
+VOCAB = 64
+SEQ_LEN = 12
+BATCH_SIZE = 8
+
+
+# ---------------------------------------------------------------------------------------------------------------- data
+def token_batches(batches: int = 4, seed: int = 0, noisy_rows: int = 0) -> DataLoader:
+    """Sequences ``start, start + stride, start + 2 stride, ...`` (mod VOCAB): learnable after two tokens.
+
+    ``noisy_rows`` rows at the end of every batch are uniform random tokens instead, so losses differ a lot between the
+    halves of a batch (a mean of per-half ``exp(loss)`` then differs visibly from ``exp`` of the mean).
+    """
+    generator = torch.Generator().manual_seed(seed)
+    n = batches * BATCH_SIZE
+    pool = max(batches, 4) * BATCH_SIZE  # the first batches of a seed are the same whatever ``batches`` is
+    start = torch.randint(0, VOCAB, (pool, 1), generator=generator)[:n]
+    stride = torch.randint(1, 4, (pool, 1), generator=generator)[:n]
+    tokens = (start + stride * torch.arange(SEQ_LEN)) % VOCAB
+    if noisy_rows:
+        noisy = torch.randint(0, VOCAB, (n, SEQ_LEN), generator=generator)
+        rows = (torch.arange(n) % BATCH_SIZE) >= BATCH_SIZE - noisy_rows
+        tokens = torch.where(rows[:, None], noisy, tokens)
+    return DataLoader(TensorDataset(tokens), batch_size=BATCH_SIZE, shuffle=False)
+
+
+def feature_batches(batches: int = 4, seed: int = 0, features: int = 10, classes: int = 5) -> DataLoader:
+    generator = torch.Generator().manual_seed(seed)
+    n = batches * BATCH_SIZE
+    x, y = torch.randn(n, features, generator=generator), torch.randint(0, classes, (n,), generator=generator)
+    return DataLoader(TensorDataset(x, y), batch_size=BATCH_SIZE, shuffle=False)
+
+
+def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
+    return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
+
+
+# ------------------------------------------------------------------------------------------ 1. Hugging Face GPT-2
+class HFGPT2(L.LightningModule):
+    """``GPT2LMHeadModel`` from a small config, wrapped as ``self.model``; blocks in ``model.transformer.h`` (an
+    ``nn.ModuleList`` that GPT-2's forward loops over with a causal mask, position ids and a cache), head tied to
+    ``wte``. Dropout off for exact comparisons, or GPT2Config's defaults (0.1 everywhere)."""
+
+    def __init__(self, dropout: bool = False, lr: float = 3e-3) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        p = 0.1 if dropout else 0.0  # 0.1: GPT2Config's default
+        config = GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=16, resid_pdrop=p,
+                            embd_pdrop=p, attn_pdrop=p)
+        self.model = GPT2LMHeadModel(config)
+        self.lr = lr
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (input_ids,) = batch
+        loss = self.model(input_ids, labels=input_ids).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+
+    def train_dataloader(self) -> DataLoader:
+        return token_batches()
+
+
+# --------------------------------------------------------------------------------------------------- 2. nanoGPT
+class CausalSelfAttention(nn.Module):
+    def __init__(self, dim: int, heads: int, bias: bool = True) -> None:
+        super().__init__()
+        self.heads = heads
+        self.c_attn = nn.Linear(dim, 3 * dim, bias=bias)
+        self.c_proj = nn.Linear(dim, dim, bias=bias)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        batch, length, dim = x.shape
+        q, k, v = self.c_attn(x).split(dim, dim=2)
+        q, k, v = (t.view(batch, length, self.heads, dim // self.heads).transpose(1, 2) for t in (q, k, v))
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask)
+        return self.c_proj(y.transpose(1, 2).reshape(batch, length, dim))
+
+
+class NanoBlock(nn.Module):
+    def __init__(self, dim: int, heads: int, bias: bool = True) -> None:
+        super().__init__()
+        self.ln_1 = nn.LayerNorm(dim, bias=bias)
+        self.attn = CausalSelfAttention(dim, heads, bias)
+        self.ln_2 = nn.LayerNorm(dim, bias=bias)
+        self.mlp = nn.ModuleDict({"c_fc": nn.Linear(dim, 4 * dim, bias=bias), "c_proj": nn.Linear(4 * dim, dim,
+                                                                                                   bias=bias)})
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln_1(x), mask)
+        return x + self.mlp["c_proj"](F.gelu(self.mlp["c_fc"](self.ln_2(x))))
+
+
+class NanoGPT(L.LightningModule):
+    """nanoGPT's layout: ``self.transformer = nn.ModuleDict(wte, wpe, drop, h=nn.ModuleList, ln_f)``, ``lm_head`` tied
+    to ``wte``, forward loops ``for block in self.transformer.h: x = block(x, mask)`` with a boolean causal mask."""
+
+    def __init__(self, layers: int = 4, dim: int = 32, heads: int = 4, bias: bool = True) -> None:
+        super().__init__()
+        self.transformer = nn.ModuleDict({
+            "wte": nn.Embedding(VOCAB, dim), "wpe": nn.Embedding(SEQ_LEN, dim), "drop": nn.Dropout(0.0),
+            "h": nn.ModuleList([NanoBlock(dim, heads, bias) for _ in range(layers)]),
+            "ln_f": nn.LayerNorm(dim, bias=bias),
+        })  # fmt: skip
+        self.lm_head = nn.Linear(dim, VOCAB, bias=False)
+        self.transformer.wte.weight = self.lm_head.weight  # type: ignore[union-attr]
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        length = idx.shape[1]
+        pos = torch.arange(length, device=idx.device)
+        x = self.transformer.drop(self.transformer.wte(idx) + self.transformer.wpe(pos))  # type: ignore[operator]
+        mask = torch.ones(length, length, dtype=torch.bool, device=idx.device).tril()
+        for block in self.transformer.h:  # type: ignore[union-attr]
+            x = block(x, mask)
+        return self.lm_head(self.transformer.ln_f(x))  # type: ignore[operator]
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        loss = next_token_loss(self(tokens), tokens)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
+
+    def train_dataloader(self) -> DataLoader:
+        return token_batches()
+
+
+# ------------------------------------------------------------------------------ 3. tuple and dict activations
+class ResidualMLP(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.fc1 = nn.Linear(dim, 2 * dim)
+        self.fc2 = nn.Linear(2 * dim, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.fc2(F.gelu(self.fc1(self.norm(x))))
+
+
+class RouterBlock(nn.Module):
+    """Returns ``(hidden, aux)``: a gated residual and a running auxiliary loss (a 0-dim tensor) it adds to."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.mlp = ResidualMLP(dim)
+        self.gate = nn.Linear(dim, 1)
+
+    def forward(self, hidden: torch.Tensor, aux: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        gate = torch.sigmoid(self.gate(hidden))
+        return hidden + gate * self.mlp(hidden), aux + gate.pow(2).mean()
+
+
+class TupleCarry(L.LightningModule):
+    """Blocks take and return two tensors: ``hidden, aux = block(hidden, aux)``; the loss adds ``aux``."""
+
+    def __init__(self, layers: int = 4, dim: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(10, dim)
+        self.blocks = nn.ModuleList([RouterBlock(dim) for _ in range(layers)])
+        self.head = nn.Linear(dim, 5)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        hidden, aux = torch.tanh(self.inp(x)), x.new_zeros(())
+        for block in self.blocks:
+            hidden, aux = block(hidden, aux)
+        loss = F.cross_entropy(self.head(hidden), y) + 0.1 * aux
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        return feature_batches()
+
+
+class LegacyAttentionBlock(nn.Module):
+    """Written like transformers 4.x blocks: returns ``(hidden, attention weights or None)`` and takes an additive float
+    mask (0 where allowed, the dtype's minimum where masked)."""
+
+    def __init__(self, dim: int, heads: int = 2) -> None:
+        super().__init__()
+        self.heads = heads
+        self.norm = nn.LayerNorm(dim)
+        self.qkv = nn.Linear(dim, 3 * dim)
+        self.out = nn.Linear(dim, dim)
+        self.mlp = ResidualMLP(dim)
+
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                output_attentions: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+        batch, length, dim = hidden.shape
+        q, k, v = self.qkv(self.norm(hidden)).split(dim, dim=2)
+        q, k, v = (t.view(batch, length, self.heads, -1).transpose(1, 2) for t in (q, k, v))
+        scores = q @ k.transpose(-1, -2) / math.sqrt(dim // self.heads)
+        if attention_mask is not None:
+            scores = scores + attention_mask
+        weights = scores.softmax(-1)
+        hidden = hidden + self.out((weights @ v).transpose(1, 2).reshape(batch, length, dim))
+        hidden = hidden + self.mlp(hidden)
+        return hidden, (weights if output_attentions else None)
+
+
+class TupleOutput(L.LightningModule):
+    """The transformers 4.x loop: ``layer_outputs = layer(hidden, attention_mask=mask); hidden = layer_outputs[0]``."""
+
+    def __init__(self, layers: int = 4, dim: int = 16) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.layers = nn.ModuleList([LegacyAttentionBlock(dim) for _ in range(layers)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        hidden = self.embed(tokens)
+        length = tokens.shape[1]
+        causal = torch.ones(length, length, dtype=torch.bool, device=tokens.device).tril()
+        mask = torch.zeros(length, length, device=tokens.device).masked_fill(~causal, torch.finfo(hidden.dtype).min)
+        for layer in self.layers:
+            layer_outputs = layer(hidden, attention_mask=mask[None, None])
+            hidden = layer_outputs[0]
+        loss = next_token_loss(self.head(self.norm(hidden)), tokens)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        return token_batches(seed=1)
+
+
+class DictBlock(nn.Module):
+    """Takes and returns a dict: the hidden state, a gate for the next block (``None`` before the first), a long depth
+    counter and an unused ``memory`` slot that stays ``None``."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.mlp = ResidualMLP(dim)
+        self.gate = nn.Linear(dim, dim)
+
+    def forward(self, state: dict[str, Any]) -> dict[str, Any]:
+        hidden, scale, depth = state["h"], state["scale"], state["depth"]
+        update = self.mlp(hidden) / (depth + 1)
+        if scale is not None:
+            update = update * scale
+        return {"h": hidden + update, "scale": torch.sigmoid(self.gate(hidden)), "depth": depth + 1,
+                "memory": state["memory"]}
+
+
+class DictState(L.LightningModule):
+    def __init__(self, layers: int = 4, dim: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(10, dim)
+        self.blocks = nn.ModuleList([DictBlock(dim) for _ in range(layers)])
+        self.head = nn.Linear(dim, 5)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        state: dict[str, Any] = {"h": torch.tanh(self.inp(x)), "scale": None, "depth": torch.tensor(0), "memory": None}
+        for block in self.blocks:
+            state = block(state)
+        assert int(state["depth"]) == len(self.blocks)  # the user's own sanity check
+        loss = F.cross_entropy(self.head(state["h"] * state["scale"]), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        return feature_batches(seed=2)
+
+
+# ------------------------------------------------------------------------------------------------- 4. denoiser
+class DenoiserBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.mlp = ResidualMLP(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.mlp(x)
+
+
+class Denoiser(L.LightningModule):
+    """The diffusion training pattern: draw ``noise``, feed the noised sample through the blocks, regress the same
+    ``noise``. ``signal`` is the schedule's signal rate at the sampled time: at 0 the input is pure noise, so with
+    identity blocks (``nn.Linear`` initialised to the identity) one device's loss is exactly 0.
+
+    Test instrumentation: every call of ``training_step`` keeps its noise in ``drawn`` (compared across stages), and
+    noise put in ``replay`` is used instead of drawing (a single-device run replaying a pipelined run's noise).
+    """
+
+    alpha_bar: torch.Tensor
+
+    def __init__(self, identity: bool = False, layers: int = 4, dim: int = 16, signal: float = 0.5) -> None:
+        super().__init__()
+        blocks: list[nn.Module] = []
+        for _ in range(layers):
+            if identity:
+                linear = nn.Linear(dim, dim)
+                nn.init.eye_(linear.weight)
+                nn.init.zeros_(linear.bias)
+                blocks.append(linear)
+            else:
+                blocks.append(DenoiserBlock(dim))
+        self.blocks = nn.ModuleList(blocks)
+        self.register_buffer("alpha_bar", torch.tensor(signal))
+        self.dim = dim
+        self.drawn: list[torch.Tensor] = []
+        self.replay: list[torch.Tensor] = []
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (x,) = batch
+        noise = self.replay.pop(0) if self.replay else torch.randn_like(x)
+        self.drawn.append(noise.detach().clone())
+        h = self.alpha_bar.sqrt() * x + (1 - self.alpha_bar).sqrt() * noise
+        for block in self.blocks:
+            h = block(h)
+        loss = F.mse_loss(h, noise)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.05, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(3)
+        # 16 features: any number of rows is a multiple of 16 values, so a draw split by rows gives the same numbers
+        # as one draw for the whole batch (CPU normal_ fills in blocks of 16)
+        return DataLoader(TensorDataset(torch.randn(4 * BATCH_SIZE, self.dim, generator=generator)),
+                          batch_size=BATCH_SIZE, shuffle=False)
+
+
+# ---------------------------------------------------------------------------- 5. exp(loss) logged in validation
+class PerplexityLM(NanoGPT):
+    """nanoGPT trained with SGD, validated every epoch: ``val_ppl = exp(loss)`` (monitored by ``ModelCheckpoint``), the
+    largest logit and a token count. Half of every validation batch is random tokens, so per-micro-batch losses
+    differ and a mean of per-micro-batch ``exp`` would differ from one device's value; the other half repeats training
+    sequences."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        (tokens,) = batch
+        logits = self(tokens)
+        loss = next_token_loss(logits, tokens)
+        self.log("val_loss", loss)
+        self.log("val_ppl", torch.exp(loss))
+        self.log("val_top", logits.max(), reduce_fx="max")
+        self.log("val_tokens", float(tokens.numel()), reduce_fx="sum")
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.3, momentum=0.9)
+
+    def val_dataloader(self) -> DataLoader:
+        return token_batches(batches=2, noisy_rows=BATCH_SIZE // 2)  # first halves: training sequences
+
+
+# -------------------------------------------------------------------------------- 6. BackboneFinetuning
+class Embeddings(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.token = nn.Embedding(VOCAB, dim)
+        self.position = nn.Embedding(SEQ_LEN, dim)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        return self.token(tokens) + self.position(torch.arange(tokens.shape[1], device=tokens.device))
+
+
+class FinetuneLM(L.LightningModule):
+    """``self.backbone`` (token and position embeddings) is frozen by ``BackboneFinetuning`` before setup and unfrozen
+    at epoch 1; the head is tied to the token embedding, so it is frozen and unfrozen with it."""
+
+    def __init__(self, layers: int = 4, dim: int = 16) -> None:
+        super().__init__()
+        self.backbone = Embeddings(dim)
+        self.blocks = nn.ModuleList([DenoiserBlock(dim) for _ in range(layers)])
+        self.norm = nn.LayerNorm(dim)
+        self.head = nn.Linear(dim, VOCAB, bias=False)
+        self.head.weight = self.backbone.token.weight
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        x = self.backbone(tokens)
+        for block in self.blocks:
+            x = block(x)
+        loss = next_token_loss(self.head(self.norm(x)), tokens)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(filter(lambda p: p.requires_grad, self.parameters()), lr=0.5)
+
+    def train_dataloader(self) -> DataLoader:
+        return token_batches(seed=6)
+
+
+# ---------------------------------------------------------------------------------------------------- 7. slicing
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float = 1e-6) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(dim))
+        self.eps = eps
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps) * self.weight
+
+
+def rotate_half(x: torch.Tensor) -> torch.Tensor:
+    first, second = x.chunk(2, dim=-1)
+    return torch.cat((-second, first), dim=-1)
+
+
+class DecoderLayer(nn.Module):
+    """A Llama-style layer: RMSNorm, rotary attention (``position_embeddings=(cos, sin)``), a residual scaled by the
+    caller's ``residual_scale``."""
+
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.heads = heads
+        self.input_layernorm = RMSNorm(dim)
+        self.q_proj, self.k_proj = nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim, bias=False)
+        self.v_proj, self.o_proj = nn.Linear(dim, dim, bias=False), nn.Linear(dim, dim, bias=False)
+        self.post_attention_layernorm = RMSNorm(dim)
+        self.up_proj, self.down_proj = nn.Linear(dim, 2 * dim, bias=False), nn.Linear(2 * dim, dim, bias=False)
+
+    def forward(self, hidden: torch.Tensor, attention_mask: torch.Tensor | None = None,
+                position_embeddings: tuple[torch.Tensor, torch.Tensor] | None = None,
+                residual_scale: float = 1.0) -> torch.Tensor:
+        assert position_embeddings is not None
+        batch, length, dim = hidden.shape
+        x = self.input_layernorm(hidden)
+        q, k, v = (p(x).view(batch, length, self.heads, -1).transpose(1, 2)
+                   for p in (self.q_proj, self.k_proj, self.v_proj))
+        cos, sin = position_embeddings
+        q, k = q * cos + rotate_half(q) * sin, k * cos + rotate_half(k) * sin
+        attended = F.scaled_dot_product_attention(q, k, v, attn_mask=attention_mask)
+        hidden = hidden + residual_scale * self.o_proj(attended.transpose(1, 2).reshape(batch, length, dim))
+        return hidden + residual_scale * self.down_proj(F.silu(self.up_proj(self.post_attention_layernorm(hidden))))
+
+
+class SlicedDecoder(L.LightningModule):
+    """The loop of a real decoder: ``for index, layer in enumerate(self.layers[: self.num_hidden_layers])``, with a
+    per-layer residual scale computed from ``index`` and ``len(self.layers)``, rotary tables and a mask."""
+
+    def __init__(self, layers: int = 4, dim: int = 16, heads: int = 2) -> None:
+        super().__init__()
+        self.num_hidden_layers = layers
+        self.embed_tokens = nn.Embedding(VOCAB, dim)
+        self.layers = nn.ModuleList([DecoderLayer(dim, heads) for _ in range(layers)])
+        self.norm = RMSNorm(dim)
+        self.lm_head = nn.Linear(dim, VOCAB, bias=False)
+        self.head_dim = dim // heads
+
+    def rotary(self, length: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+        inv_freq = 1.0 / (10000 ** (torch.arange(0, self.head_dim, 2, device=device).float() / self.head_dim))
+        angles = torch.outer(torch.arange(length, device=device).float(), inv_freq)
+        angles = torch.cat((angles, angles), dim=-1)
+        return angles.cos(), angles.sin()
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        hidden = self.embed_tokens(tokens)
+        length = tokens.shape[1]
+        mask = torch.ones(length, length, dtype=torch.bool, device=tokens.device).tril()
+        position_embeddings = self.rotary(length, tokens.device)
+        for index, layer in enumerate(self.layers[: self.num_hidden_layers]):
+            hidden = layer(hidden, attention_mask=mask, position_embeddings=position_embeddings,
+                           residual_scale=1.0 - index / (2 * len(self.layers)))
+        return self.lm_head(self.norm(hidden))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        loss = next_token_loss(self(tokens), tokens)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=3e-3)
+
+    def train_dataloader(self) -> DataLoader:
+        return token_batches(seed=7)
+
+
+# ----------------------------------------------------------------------------------------- 8. in-place first layer
+class InplaceFeatures(L.LightningModule):
+    """torchvision's habit: ``nn.Sequential(Linear, ReLU(inplace=True), ...)``; with the balances the tests use, every
+    stage after the first starts with an in-place ReLU."""
+
+    def __init__(self, dim: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(10, dim)
+        layers: list[nn.Module] = []
+        for _ in range(4):
+            layers += [nn.Linear(dim, dim), nn.ReLU(inplace=True)]
+        self.features = nn.Sequential(*layers)
+        self.classifier = nn.Linear(dim, 5)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = F.cross_entropy(self.classifier(self.features(self.inp(x))), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        return feature_batches(seed=8)
+
+
+# --------------------------------------------------------------------------------------------- the runs compared
+class StepGradients(L.Callback):
+    """Keeps the gradients every ``optimizer.step`` applied: read by a step post-hook (a pre-hook runs before
+    Lightning's closure, which holds training_step and backward, so it would see the previous step's gradients)."""
+
+    def __init__(self) -> None:
+        self.grads: list[dict[str, torch.Tensor]] = []
+        self._handles: list[Any] = []
+
+    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        def record(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            self.grads.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters()
+                               if p.grad is not None})
+
+        self._handles = [optimizer.register_step_post_hook(record) for optimizer in trainer.optimizers]
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        for handle in self._handles:
+            handle.remove()
+
+
+@dataclass(frozen=True)
+class Spec:
+    """How a model of this file is trained, the same for the single-device reference and every pipelined rank."""
+
+    build: Callable[[], L.LightningModule]
+    max_steps: int = 4
+    max_epochs: int = -1
+    validate: bool = False  # validate every epoch and keep the best two checkpoints by val_ppl
+    finetune: bool = False  # BackboneFinetuning, unfreezing at epoch 1
+
+
+SPECS: dict[str, Spec] = {
+    "hf_gpt2": Spec(HFGPT2),
+    "hf_gpt2_dropout": Spec(lambda: HFGPT2(dropout=True), max_steps=12, max_epochs=3),
+    "nanogpt": Spec(NanoGPT),
+    "tuple_carry": Spec(TupleCarry),
+    "tuple_output": Spec(TupleOutput),
+    "dict_state": Spec(DictState),
+    "denoiser_identity": Spec(lambda: Denoiser(identity=True, signal=0.0)),
+    "denoiser": Spec(Denoiser),
+    "val_ppl": Spec(PerplexityLM, max_steps=-1, max_epochs=3, validate=True),
+    "finetune": Spec(FinetuneLM, max_steps=-1, max_epochs=3, finetune=True),
+    "sliced": Spec(SlicedDecoder),
+    "inplace": Spec(InplaceFeatures),
+}
+MODELS.update({name: spec.build for name, spec in SPECS.items()})
+
+
+def run(name: str, strategy: Any = "auto", devices: int = 1, dirpath: str | None = None,
+        replay: list[torch.Tensor] | None = None) -> dict[str, Any]:
+    """Seed, build and train model ``name`` as ``SPECS`` says; return what the tests compare: this process's state
+    dict, the logged metrics (global rank 0), the gradients handed to the optimizer at every step, the noise drawn by
+    the denoisers, and for ``validate`` the checkpoint decisions (file names relative to ``dirpath``). ``replay``: noise
+    for a denoiser to use, one tensor per step, instead of drawing its own."""
+    spec = SPECS[name]
+    L.seed_everything(7, verbose=False)
+    module = spec.build()
+    if replay is not None:
+        assert isinstance(module, Denoiser)
+        module.replay = list(replay)
+    logger, recorder = RecordingLogger(), StepGradients()
+    callbacks: list[L.Callback] = [recorder]
+    checkpoint = None
+    with tempfile.TemporaryDirectory() as scratch:
+        if spec.validate:
+            checkpoint = ModelCheckpoint(dirpath=dirpath or scratch, monitor="val_ppl", mode="min", save_top_k=2)
+            callbacks.append(checkpoint)
+        if spec.finetune:
+            callbacks.append(BackboneFinetuning(unfreeze_backbone_at_epoch=1, verbose=False))
+        trainer = L.Trainer(
+            accelerator="cpu", devices=devices, strategy=strategy, max_steps=spec.max_steps,
+            max_epochs=spec.max_epochs, logger=logger, callbacks=callbacks, log_every_n_steps=1,
+            enable_checkpointing=checkpoint is not None, enable_progress_bar=False, enable_model_summary=False,
+            num_sanity_val_steps=0, limit_val_batches=1.0 if spec.validate else 0,
+        )  # fmt: skip
+        trainer.fit(module)
+        result: dict[str, Any] = {
+            "state": {k: v.detach().clone() for k, v in module.state_dict().items()},
+            "history": logger.history,
+            "grads": recorder.grads,
+            "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
+            "drawn": list(getattr(module, "drawn", [])),
+        }
+        if checkpoint is not None:
+            assert checkpoint.best_model_score is not None
+            result["best_score"] = float(checkpoint.best_model_score)
+            result["best_path"] = Path(checkpoint.best_model_path).name
+            result["top_k"] = sorted((Path(p).name, float(s)) for p, s in checkpoint.best_k_models.items())
+            result["files"] = sorted(p.name for p in Path(checkpoint.dirpath or scratch).iterdir())
+    return result

@@ -1,0 +1,340 @@
+"""Multi-process tier for modules shaped like real models (issue 11), unmodified, pipelined on 2 and 4 gloo ranks and
+compared with plain single-device Lightning run in this process (the models and the run: ``real_models.py``).
+
+Compared for every run: the logged losses (within 1e-5), the gradients every optimizer step applied (each element
+within 1e-5 of its tensor's largest magnitude), and that weights replicated on several stages are identical there. For
+SGD runs also the parameters element-wise; not for AdamW runs, which turn fp32 summation-order noise in near-zero
+gradients (an attention key bias) into full-size steps (see ``test_equivalence.py``).
+
+Each test is one launch of several runs (process start-up dominates); a rank stops at the first run that fails, so a
+failure report lists that run's error and the runs after it as not run.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+import pytest
+import real_models
+import torch
+from _launch import RankResult, launch
+
+RTOL, ATOL = 1e-5, 5e-6  # parameters after SGD
+LOSS_TOL = 1e-5  # logged training losses, absolute
+METRIC_RTOL = 1e-5  # validation metrics and checkpoint scores, relative
+GRAD_TOL = 1e-5  # relative to the largest magnitude of each gradient tensor
+SCHEDULE_NAMES = ["naive", "gpipe", "1f1b"]
+ADAMW_MODELS = {"hf_gpt2", "hf_gpt2_dropout", "nanogpt", "sliced"}
+Result = dict[str, Any]
+
+
+@cache
+def reference(model: str) -> Result:
+    """The single-device run (this process runs one compute thread, like every rank: see conftest.py)."""
+    return real_models.run(model)
+
+
+def job(model: str, **strategy: Any) -> dict[str, Any]:
+    return {"scenario": "train_real", "kwargs": {"model": model, **strategy}}
+
+
+def prefixed(prefix: str) -> Callable[[str], str]:
+    """An ``assert_close`` message that keeps torch's mismatch report and says which tensor it is."""
+    return lambda message: f"{prefix}: {message}"
+
+
+def stage_results(ranks: list[RankResult], index: int) -> list[Result]:
+    """Every stage's result of run ``index``, or an AssertionError with the ranks' errors."""
+    errors = {rank: result.errors[index] for rank, result in enumerate(ranks) if index in result.errors}
+    if errors:
+        summary = "; ".join(f"rank {rank}: {error['type']}: {error['message'][:300]}" for rank, error in errors.items())
+        first = next(iter(errors.values()))
+        raise AssertionError(f"{summary}\n{first['traceback']}")
+    missing = [rank for rank, result in enumerate(ranks) if result.results[index] is None]
+    if missing:
+        tails = "\n".join(f"--- rank {rank} (exit code {ranks[rank].returncode}) ---\n{ranks[rank].output[-1500:]}"
+                          for rank in missing)
+        raise AssertionError(f"not run on ranks {missing} (an earlier run stopped them):\n{tails}")
+    return [result.results[index] for result in ranks]
+
+
+def check_all(world_size: int, runs: list[dict[str, Any]], checks: list[Callable[[list[Result], str], None]],
+              timeout: float) -> None:
+    """Launch ``runs`` and apply ``checks[i]`` to run ``i``'s stage results; report every failing run at once."""
+    assert len(runs) == len(checks)
+    ranks = launch(world_size, runs, timeout=timeout)
+    failures = []
+    for index, (run, check) in enumerate(zip(runs, checks, strict=True)):
+        label = f"{world_size} stages {run['kwargs']}"
+        try:
+            check(stage_results(ranks, index), label)
+        except AssertionError as error:
+            failures.append(f"{label}: {error}")
+    if failures:
+        pytest.fail("\n\n".join(failures), pytrace=False)
+
+
+def merged_state(results: list[Result]) -> dict[str, torch.Tensor]:
+    """The full model from every stage's state dict; an entry present on several stages must be identical there."""
+    full: dict[str, torch.Tensor] = {}
+    for stage, result in enumerate(results):
+        for name, value in result["state"].items():
+            if name in full:
+                assert torch.equal(full[name], value), f"replicated {name} differs on stage {stage}"
+            else:
+                full[name] = value
+    return full
+
+
+def merged_grads(results: list[Result]) -> list[dict[str, torch.Tensor]]:
+    """Per optimizer step, every stage's applied gradients; a replicated weight's must be identical on its stages."""
+    steps = {len(result["grads"]) for result in results}
+    assert len(steps) == 1, f"stages made different numbers of optimizer steps: {[len(r['grads']) for r in results]}"
+    merged: list[dict[str, torch.Tensor]] = []
+    for step in range(steps.pop()):
+        got: dict[str, torch.Tensor] = {}
+        for stage, result in enumerate(results):
+            for name, grad in result["grads"][step].items():
+                if name in got:
+                    assert torch.equal(got[name], grad), f"step {step}: gradient of replicated {name} differs on " \
+                                                         f"stage {stage}"
+                got[name] = grad
+        merged.append(got)
+    return merged
+
+
+def check_grads(got: list[dict[str, torch.Tensor]], want: list[dict[str, torch.Tensor]], label: str) -> float:
+    """Each element within GRAD_TOL of its tensor's largest magnitude; returns the worst relative difference."""
+    assert len(got) == len(want), f"{len(got)} optimizer steps, single device made {len(want)}"
+    worst = 0.0
+    for step, (got_step, want_step) in enumerate(zip(got, want, strict=True)):
+        assert sorted(got_step) == sorted(want_step), f"step {step}: gradients of {sorted(got_step)} applied, single " \
+                                                      f"device applied {sorted(want_step)}"
+        for name, grad in want_step.items():
+            scale = grad.abs().max().item()
+            worst = max(worst, (got_step[name] - grad).abs().max().item() / (scale + 1e-30))
+            torch.testing.assert_close(got_step[name], grad, rtol=0, atol=GRAD_TOL * scale + 1e-12,
+                                       msg=prefixed(f"{label} step {step} gradient of {name}"))
+    return worst
+
+
+def check_params(full: dict[str, torch.Tensor], want: dict[str, torch.Tensor], label: str) -> float:
+    for name, value in want.items():
+        torch.testing.assert_close(full[name], value, rtol=RTOL, atol=ATOL, msg=prefixed(f"{label} {name}"))
+    return max(((full[n].float() - v.float()).abs().max().item() for n, v in want.items() if v.numel()), default=0.0)
+
+
+def logged(history: list, key: str) -> list[tuple[int, float]]:
+    return [(step, metrics[key]) for step, metrics in history if key in metrics]
+
+
+def check_logged(history: list, want_history: list, key: str, abs_tol: float = 0.0, rel_tol: float = 0.0) -> float:
+    got, want = logged(history, key), logged(want_history, key)
+    assert [s for s, _ in got] == [s for s, _ in want], f"{key} logged at steps {[s for s, _ in got]}, single device " \
+                                                        f"at {[s for s, _ in want]}"
+    for (step, value), (_, wanted) in zip(got, want, strict=True):
+        assert abs(value - wanted) <= abs_tol + rel_tol * abs(wanted), f"{key} at step {step}: {value} vs single " \
+                                                                       f"device {wanted}"
+    return max((abs(v - w) for (_, v), (_, w) in zip(got, want, strict=True)), default=0.0)
+
+
+def matches(model: str, params: bool | None = None) -> Callable[[list[Result], str], None]:
+    """The check of a run that must equal the single-device run of ``model``."""
+    compare_params = model not in ADAMW_MODELS if params is None else params
+
+    def check(results: list[Result], label: str) -> None:
+        compare(results, reference(model), label, compare_params)
+
+    return check
+
+
+def compare(results: list[Result], want: Result, label: str, params: bool) -> None:
+    full = merged_state(results)
+    assert sorted(full) == sorted(want["state"]), (
+        f"state-dict keys over all stages differ from one device's: missing {sorted(set(want['state']) - set(full))}, "
+        f"extra {sorted(set(full) - set(want['state']))}")
+    loss_diff = check_logged(results[0]["history"], want["history"], "train_loss", abs_tol=LOSS_TOL)
+    grad_diff = check_grads(merged_grads(results), want["grads"], label)
+    param_diff = check_params(full, want["state"], label) if params else float("nan")
+    print(f"{label}: max |loss difference| {loss_diff:.1e}, max relative gradient difference {grad_diff:.1e}, "
+          f"max |parameter difference| {param_diff:.1e}")
+
+
+# ------------------------------------------------------------------------------------------------ checks of one run
+def dropout_trains(results: list[Result], label: str) -> None:
+    """Dropout masks differ from one device's (drawn per micro-batch and stage), so only: replicas identical, losses
+    finite and falling over 3 epochs of the same 4 batches, and close to one device's."""
+    merged_state(results)
+    losses = [value for _, value in logged(results[0]["history"], "train_loss")]
+    want = [value for _, value in logged(reference("hf_gpt2_dropout")["history"], "train_loss")]
+    assert len(losses) == len(want) == 12, losses
+    assert all(math.isfinite(value) for value in losses), losses
+    first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
+    assert last < first - 0.2, f"loss does not fall: first epoch {first:.3f}, last {last:.3f} ({losses})"
+    want_last = sum(want[-4:]) / 4
+    assert abs(last - want_last) < 0.25, f"last epoch's mean loss {last:.3f}, one device's {want_last:.3f}"
+    print(f"{label}: mean loss first epoch {first:.3f}, last epoch {last:.3f} (one device {want_last:.3f})")
+
+
+def drawn_per_step(results: list[Result], steps: int, microbatches: int, label: str) -> list[torch.Tensor]:
+    """The noise every stage drew must be the same for each (step, micro-batch); returns it joined per step."""
+    counts = [len(result["drawn"]) for result in results]
+    assert counts == [steps * microbatches] * len(results), (
+        f"training_step ran {counts} times on the stages; expected once per micro-batch and step "
+        f"({steps} x {microbatches})")
+    for stage, result in enumerate(results[1:], start=1):
+        for call, (got, want) in enumerate(zip(result["drawn"], results[0]["drawn"], strict=True)):
+            assert torch.equal(got, want), (f"{label}: stage {stage} drew other noise than stage 0 in step "
+                                            f"{call // microbatches}, micro-batch {call % microbatches}")
+    drawn = results[0]["drawn"]
+    return [torch.cat(drawn[step * microbatches:(step + 1) * microbatches]) for step in range(steps)]
+
+
+def identity_denoiser(microbatches: int) -> Callable[[list[Result], str], None]:
+    def check(results: list[Result], label: str) -> None:
+        drawn_per_step(results, 4, microbatches, label)
+        losses = [value for _, value in logged(results[0]["history"], "train_loss")]
+        assert losses == [0.0] * 4, f"identity blocks regressing the noise they were fed must log 0, got {losses}"
+        compare(results, reference("denoiser_identity"), label, params=True)
+
+    return check
+
+
+def trainable_denoiser(microbatches: int) -> Callable[[list[Result], str], None]:
+    """Compared with one device replaying the noise the pipeline drew: which numbers a pipeline draws is its choice;
+    that every stage uses the same ones, and trains as one device would on them, is the contract."""
+
+    def check(results: list[Result], label: str) -> None:
+        noise = drawn_per_step(results, 4, microbatches, label)
+        own = reference("denoiser")["drawn"]
+        same = all(torch.equal(a, b) for a, b in zip(noise, own, strict=True))
+        print(f"{label}: the pipeline's noise {'equals' if same else 'differs from'} one device's own draws")
+        compare(results, real_models.run("denoiser", replay=noise), label, params=True)
+
+    return check
+
+
+def perplexity_and_checkpoints(results: list[Result], label: str) -> None:
+    """``val_ppl = exp(loss)`` per validation batch (and a max and a sum) as on one device, so ``ModelCheckpoint``
+    keeps the same files."""
+    want = reference("val_ppl")
+    compare(results, want, label, params=True)
+    history = results[0]["history"]
+    for key in ("val_ppl", "val_loss", "val_top", "val_tokens"):
+        check_logged(history, want["history"], key, rel_tol=METRIC_RTOL)
+    result = results[0]
+    assert result["best_score"] == pytest.approx(want["best_score"], rel=METRIC_RTOL), "best_model_score"
+    assert result["best_path"] == want["best_path"], "best_model_path"
+    assert [name for name, _ in result["top_k"]] == [name for name, _ in want["top_k"]], "best_k_models"
+    assert [s for _, s in result["top_k"]] == pytest.approx([s for _, s in want["top_k"]], rel=METRIC_RTOL)
+    assert result["files"] == want["files"], "checkpoint files"
+    assert result["callback_metrics"]["val_ppl"] == pytest.approx(want["callback_metrics"]["val_ppl"],
+                                                                  rel=METRIC_RTOL)
+
+
+def backbone_finetuning(results: list[Result], label: str) -> None:
+    """The embedding (tied to the head) is frozen for epoch 0 and trained from epoch 1: its gradient must be summed
+    over the stages from then on, and the parameters follow one device's."""
+    want = reference("finetune")
+    tied = "backbone.token.weight"
+    assert tied not in want["grads"][0] and tied in want["grads"][-1], "the reference did not unfreeze the backbone"
+    compare(results, want, label, params=True)
+
+
+# ------------------------------------------------------------------------------------------------------------ tests
+def test_single_device_references_are_sane() -> None:
+    """What the multi-process tests rely on, checked in one process: every reference trains; the identity denoiser's
+    loss is exactly 0; the validation batches make a mean of per-micro-batch ``exp(loss)`` differ from ``exp`` of the
+    batch loss; the fine-tuning run unfreezes the tied embedding; splitting a draw by rows gives the same noise; the
+    in-place run's balances put an in-place ReLU first on every later stage."""
+    for model in real_models.SPECS:
+        losses = [value for _, value in logged(reference(model)["history"], "train_loss")]
+        assert losses and all(math.isfinite(value) for value in losses), (model, losses)
+    assert [value for _, value in logged(reference("denoiser_identity")["history"], "train_loss")] == [0.0] * 4
+    for model in ("hf_gpt2", "hf_gpt2_dropout", "tuple_output", "val_ppl", "finetune"):
+        losses = [value for _, value in logged(reference(model)["history"], "train_loss")]
+        assert losses[-1] < losses[0], (model, losses)
+
+    module = real_models.PerplexityLM()
+    optimizer = module.configure_optimizers()
+    for (tokens,) in module.train_dataloader():  # one epoch
+        optimizer.zero_grad()
+        real_models.next_token_loss(module(tokens), tokens).backward()
+        optimizer.step()
+    (tokens,) = next(iter(module.val_dataloader()))
+    with torch.no_grad():
+        halves = torch.stack([real_models.next_token_loss(module(half), half) for half in tokens.chunk(2)])
+    whole, per_half = halves.mean().exp(), halves.exp().mean()
+    assert (per_half - whole) / whole > 1e-3, (float(per_half), float(whole))
+    # the best checkpoint is neither the first nor the last, and one of three is dropped: decisions worth comparing
+    assert reference("val_ppl")["best_path"] == "epoch=1-step=8.ckpt", reference("val_ppl")["top_k"]
+
+    finetune = reference("finetune")["grads"]
+    assert [("backbone.token.weight" in step) for step in finetune] == [False] * 4 + [True] * 8
+
+    generator = torch.Generator().manual_seed(0)
+    whole_draw = torch.randn(8, 16, generator=generator.manual_seed(0))
+    parts = [torch.randn(2, 16, generator=generator.manual_seed(0) if i == 0 else generator) for i in range(4)]
+    assert torch.equal(torch.cat(parts), whole_draw)
+
+    features = real_models.InplaceFeatures().features
+    for balance in ([3, 5], [1, 2, 2, 3]):
+        starts = [sum(balance[:stage]) for stage in range(1, len(balance))]
+        assert all(isinstance(features[i], torch.nn.ReLU) and features[i].inplace for i in starts), balance
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_gpt2_and_nanogpt_every_schedule(world_size: int) -> None:
+    """Hugging Face GPT-2 (blocks in ``model.transformer.h``, an ``nn.ModuleList`` looped with a mask, position ids and
+    a cache; head tied to ``wte``) and a nanoGPT module (``transformer.h`` inside an ``nn.ModuleDict``, boolean mask),
+    found automatically, under every schedule; on 2 stages also the container named by ``blocks=`` and by the
+    ``sequential=`` alias, and GPT-2 with dropout (default GPT2Config), which must train, not match."""
+    runs = [job(model, schedule=schedule, microbatches=world_size * (2 if schedule == "1f1b" else 1))
+            for model in ("hf_gpt2", "nanogpt") for schedule in SCHEDULE_NAMES]
+    checks = [matches(run["kwargs"]["model"]) for run in runs]
+    if world_size == 2:
+        runs += [job("hf_gpt2", blocks="model.transformer.h", schedule="1f1b", microbatches=2),
+                 job("nanogpt", blocks="transformer.h", schedule="gpipe", microbatches=4),
+                 job("nanogpt", sequential="transformer.h", schedule="1f1b", microbatches=2),
+                 job("hf_gpt2_dropout", schedule="1f1b", microbatches=2)]
+        checks += [matches("hf_gpt2"), matches("nanogpt"), matches("nanogpt"), dropout_trains]
+    check_all(world_size, runs, checks, timeout=200 if world_size == 2 else 280)
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_inplace_sliced_tuple_and_dict_blocks(world_size: int) -> None:
+    """An ``nn.Sequential`` whose later stages start with ``nn.ReLU(inplace=True)`` (a ``balance`` that puts one first
+    on every stage after the first); ``for index, layer in enumerate(self.layers[: n])`` with ``len(self.layers)``,
+    rotary tables and a mask passed as keywords; blocks taking and returning ``(hidden, aux)``; blocks returning
+    ``(hidden, None)`` of which the loop keeps ``[0]``; blocks taking and returning a dict with a ``None`` entry, a
+    gate that is ``None`` before the first block and a long counter."""
+    inplace = (job("inplace", blocks="features", balance=[3, 5], schedule="1f1b", microbatches=2) if world_size == 2
+               else job("inplace", sequential="features", balance=[1, 2, 2, 3], schedule="gpipe", microbatches=4))
+    runs = [inplace,
+            job("sliced", schedule="1f1b", microbatches=world_size),
+            job("tuple_carry", schedule="1f1b", microbatches=world_size),
+            job("dict_state", schedule="gpipe", microbatches=world_size),
+            job("tuple_output", schedule="1f1b", microbatches=world_size)]
+    check_all(world_size, runs, [matches(run["kwargs"]["model"]) for run in runs], timeout=180 if world_size == 2
+              else 240)
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_shared_randomness_whole_batch_metrics_and_unfreezing(world_size: int, tmp_path: Path) -> None:
+    """The diffusion pattern (noise drawn in the step, added before the blocks, the target after them) with identity
+    blocks, where one device's loss is exactly 0, and with trainable blocks; ``exp(loss)`` logged in validation and
+    monitored by ``ModelCheckpoint``; ``BackboneFinetuning`` unfreezing an embedding tied to the head at epoch 1."""
+    m = world_size
+    runs = [job("denoiser_identity", schedule="1f1b", microbatches=m),
+            job("denoiser", schedule="gpipe" if world_size == 2 else "1f1b", microbatches=m),
+            job("val_ppl", schedule="gpipe", microbatches=m, dirpath=str(tmp_path / "checkpoints")),
+            job("finetune", schedule="1f1b", microbatches=m)]
+    checks = [identity_denoiser(m), trainable_denoiser(m), perplexity_and_checkpoints, backbone_finetuning]
+    check_all(world_size, runs, checks, timeout=180 if world_size == 2 else 240)
