@@ -3,13 +3,11 @@
 from __future__ import annotations
 
 import atexit
-import logging
 import os
 import signal
 import time
 import weakref
 from collections.abc import Callable, Mapping, Sequence
-from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
@@ -25,7 +23,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
-from torch import Tensor, nn
+from torch import Tensor
 from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
@@ -37,35 +35,18 @@ from lightning_pp._logs import LogRecorder
 from lightning_pp.checkpoint import NAMES_KEY, indexed_to_named, load_named, merge_named, named_state, named_to_indexed
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.grads import PipelineGradients, broadcast_from_rank_zero
-from lightning_pp.model.blocks import block_count, find_blocks
-from lightning_pp.model.stage import StageView
+from lightning_pp.model.split import Partition, split_module
 from lightning_pp.model.step import StepDriver
 from lightning_pp.p2p import StageP2P
-from lightning_pp.partition import stage_layer_ranges, uniform_balance, validate_balance
 from lightning_pp.schedules import SCHEDULES, Schedule, build_schedule
 from lightning_pp.simulate import TimelineEvent
 
 __all__ = ["PipelineParallelStrategy"]
 
-log = logging.getLogger(__name__)
-
 
 _AGREEING_SCALERS: weakref.WeakSet[torch.amp.GradScaler] = weakref.WeakSet()  # scalers already patched
 _BACKENDS = ("gloo", "nccl")
 _fits_started = 0  # fits this process has run: names each fit's failure flag alike on every rank
-
-
-@dataclass(frozen=True)
-class _Partition:
-    """A module's split, recorded when it was made: the stage view and the unpartitioned model's layout."""
-
-    view: StageView
-    full_param_order: dict[str, int]  # parameter name -> position in the whole model (full checkpoints follow it)
-    full_state_keys: list[str]
-
-
-# modules already partitioned in this process (a second fit / validate / test reuses the split)
-_PARTITIONS: weakref.WeakKeyDictionary[nn.Module, _Partition] = weakref.WeakKeyDictionary()
 
 
 def _destroy_gloo_process_group() -> None:
@@ -76,27 +57,6 @@ def _destroy_gloo_process_group() -> None:
     """
     if dist.is_initialized() and dist.get_backend() == "gloo":
         dist.destroy_process_group()
-
-
-def _check_no_shared_parameters(module: nn.Module, name: str, container: nn.Module, ranges: list[range]) -> None:
-    """Blocks of different stages, or a block and the code outside the container, must not share a weight."""
-    owner: dict[int, int] = {}
-    blocks = [getattr(container, key) for key in _compat.child_names(container)]
-    for stage, blocks_of_stage in enumerate(ranges):
-        for i in blocks_of_stage:
-            for p in blocks[i].parameters():
-                if owner.setdefault(id(p), stage) != stage:
-                    raise PipelineConfigError(
-                        f"A parameter of block {i} of `{name}` is shared with a block of stage {owner[id(p)]}, and "
-                        f"stages cannot share weights. Choose a balance that keeps the sharing blocks on one stage."
-                    )
-    prefix = name + "."
-    for param_name, p in module.named_parameters(remove_duplicate=False):
-        if not param_name.startswith(prefix) and id(p) in owner:
-            raise PipelineConfigError(
-                f"Parameter `{param_name}` is shared with a block of `{name}`; a weight inside the split container "
-                f"cannot also be used outside it. Move the tied layer out of `{name}`."
-            )
 
 
 def _check(ok: bool, message: str) -> None:
@@ -234,7 +194,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._reuse_cpu_memory = reuse_cpu_memory
         self._num_nodes = 1
-        self._partition: _Partition | None = None
+        self._partition: Partition | None = None
         self._driver: StepDriver | None = None
         self._grads: PipelineGradients | None = None
         self._p2p: StageP2P | None = None
@@ -347,15 +307,14 @@ class PipelineParallelStrategy(ParallelStrategy):
                 f"PipelineParallelStrategy does not support: the schedule runs forward and backward itself. Use "
                 f"automatic optimization, where Lightning calls the optimizers after the pipelined step."
             )
-        partition = self._split(module)
+        partition = self._partition = split_module(module, self._blocks_name, self._balance, self.stage,
+                                                   self.num_stages)
         assert self.model is not None
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        shared = self._shared_parameters(module, partition.view)
+        shared, shared_buffers = partition.shared_tensors(module)
         if self.num_stages > 1:
-            local = {id(t) for block in partition.view.local_blocks() for t in (*block.parameters(), *block.buffers())}
-            broadcast_from_rank_zero([t for t in (*module.parameters(), *module.buffers()) if id(t) not in local],
-                                     self.root_device)
+            broadcast_from_rank_zero([*shared, *shared_buffers], self.root_device)
         self._grads = PipelineGradients(shared, self.stage, self.num_stages, self.root_device)
         if trainer.state.fn == TrainerFn.FITTING:
             self._setup_optimizers_on_every_stage(trainer)
@@ -451,42 +410,6 @@ class PipelineParallelStrategy(ParallelStrategy):
         launcher = self.launcher
         if isinstance(launcher, _compat._SubprocessScriptLauncher) and launcher.procs:
             launcher.kill(signal.SIGKILL)
-
-    # ------------------------------------------------------------------------------------------------ partitioning
-
-    def _split(self, module: pl.LightningModule) -> _Partition:
-        """Keep only this stage's blocks of the container (the others become stand-ins); everything else stays."""
-        existing = _PARTITIONS.get(module)
-        if existing is not None:
-            view = existing.view
-            if (view.stage, view.num_stages) != (self.stage, self.num_stages):
-                raise PipelineConfigError(
-                    f"`{view.container_name}` was already split for stage {view.stage} of {view.num_stages}; this "
-                    f"run is stage {self.stage} of {self.num_stages}. Build a fresh module for a new layout."
-                )
-            self._partition = existing
-            return existing
-        name, container = find_blocks(module, self._blocks_name)
-        num_blocks = block_count(container)
-        balance = (validate_balance(self._balance, num_blocks, self.num_stages) if self._balance is not None
-                   else uniform_balance(num_blocks, self.num_stages))
-        ranges = stage_layer_ranges(balance)
-        _check_no_shared_parameters(module, name, container, ranges)
-        full_param_order = {n: i for i, (n, _) in enumerate(module.named_parameters())}
-        full_state_keys = list(module.state_dict())
-        view = StageView(name, container, self.stage, ranges)
-        partition = _Partition(view, full_param_order, full_state_keys)
-        _PARTITIONS[module] = partition
-        self._partition = partition
-        log.info(f"Pipeline stage {self.stage}: blocks {view.local.start}-{view.local.stop - 1} of `{name}` "
-                 f"({num_blocks} blocks)")
-        return partition
-
-    @staticmethod
-    def _shared_parameters(module: nn.Module, view: StageView) -> list[nn.Parameter]:
-        """Every parameter outside the blocks (held by every stage), whether or not it is trainable right now."""
-        local = {id(p) for block in view.local_blocks() for p in block.parameters()}
-        return [p for p in module.parameters() if id(p) not in local]
 
     # ------------------------------------------------------------------------------------------------ the step
 
