@@ -10,7 +10,6 @@ outputs, so every logged value and every returned prediction is what one device 
 from __future__ import annotations
 
 import hashlib
-import warnings
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -19,6 +18,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities import move_data_to_device
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_pp._logs import LogRecorder, replay
@@ -199,10 +199,10 @@ class StepDriver:
             return self.microbatches
         if not self._warned_small_batch:
             self._warned_small_batch = True
-            warnings.warn(
+            rank_zero_warn(
                 f"A batch of {size} samples is split into {size} micro-batches instead of {self.microbatches} "
                 f"(PipelineParallelStrategy(microbatches={self.microbatches})); results are unchanged, the pipeline "
-                f"is less busy. Use batches of at least {self.microbatches} samples.", stacklevel=2)
+                f"is less busy. Use batches of at least {self.microbatches} samples.")
         return size
 
     def _from_last_stage(self, payload: Any) -> Any:
