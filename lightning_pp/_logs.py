@@ -170,8 +170,9 @@ class LogRecorder:
             for hook in hooks:
                 hook.remove()
 
-    def combine(self, microbatch_sizes: list[int]) -> list[LogRecord]:
-        """One record per key: micro-batch values reduced with the key's ``reduce_fx``."""
+    def combine(self, microbatch_sizes: list[float]) -> list[LogRecord]:
+        """One record per key: micro-batch values reduced with the key's ``reduce_fx`` (means weighted by
+        ``microbatch_sizes``: samples, or the strategy's ``microbatch_weight``)."""
         by_name: dict[str, list[tuple[int, Any, dict[str, Any]]]] = {}
         for microbatch, name, value, options in self._calls:
             by_name.setdefault(name, []).append((microbatch, value, options))

@@ -112,6 +112,11 @@ class PipelineParallelStrategy(ParallelStrategy):
         reuse_cpu_memory: On CPU (Linux, glibc), keep freed memory in each stage's process instead of returning it to
             the operating system, so the buffers of every micro-batch reuse pages rather than page-faulting fresh ones
             in (15-30 % of the compute time of a 1024-wide MLP stage). The process keeps its peak memory.
+        microbatch_weight: What a micro-batch's training loss averages over, as a function of the micro-batch; by
+            default its number of samples. Losses and logged means of the micro-batches are combined with these
+            weights, so for a loss that averages over tokens with padding ignored (Hugging Face causal LMs with
+            ``-100`` labels) pass ``lambda batch: (batch["labels"][:, 1:] != -100).sum()`` to get one device's
+            gradients.
 
     Raises:
         PipelineConfigError: for an argument of the wrong type or value, a ``balance`` that does not fit the
@@ -138,6 +143,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         checkpoint_format: str = "full",
         process_group_backend: str | None = None,
         reuse_cpu_memory: bool = True,
+        microbatch_weight: Callable[[Any], Any] | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -181,6 +187,9 @@ class PipelineParallelStrategy(ParallelStrategy):
         _check(process_group_backend is None or process_group_backend in _BACKENDS,
                f"process_group_backend={process_group_backend!r}; use 'gloo' (CPU) or 'nccl' (CUDA GPUs), or None to "
                f"choose from the device.")
+        _check(microbatch_weight is None or callable(microbatch_weight),
+               f"microbatch_weight={microbatch_weight!r} must be a function of a micro-batch returning its weight, "
+               f"e.g. microbatch_weight=lambda batch: (batch['labels'][:, 1:] != -100).sum(), or None.")
         _check(isinstance(reuse_cpu_memory, bool),
                f"reuse_cpu_memory={reuse_cpu_memory!r} ({type(reuse_cpu_memory).__name__}) must be True or False.")
         self.checkpoint_format = checkpoint_format
@@ -193,6 +202,7 @@ class PipelineParallelStrategy(ParallelStrategy):
                                       else default_pg_timeout)
         self._process_group_backend = process_group_backend
         self._reuse_cpu_memory = reuse_cpu_memory
+        self._microbatch_weight = microbatch_weight
         self._num_nodes = 1
         self._partition: Partition | None = None
         self._driver: StepDriver | None = None
@@ -338,7 +348,7 @@ class PipelineParallelStrategy(ParallelStrategy):
             groups = (self._new_group(), self._new_group())
             self._p2p = StageP2P(self.stage, list(range(self.num_stages)), self.root_device, self.timeout, groups)
         self._driver = StepDriver(module, partition.view, self._p2p, self._log_recorder, self.root_device,
-                                  self._schedule, self.microbatches)
+                                  self._schedule, self.microbatches, self._microbatch_weight)
 
     def _setup_optimizers_on_every_stage(self, trainer: pl.Trainer) -> None:
         """``configure_optimizers`` sees only this stage's parameters, so it may fail on some stages alone (an empty

@@ -87,6 +87,31 @@ class HFGPT2(L.LightningModule):
         return token_batches()
 
 
+class PaddedHFGPT2(HFGPT2):
+    """GPT-2 on sequences of different lengths, padded: ``labels`` are ``-100`` on the padding, so Hugging Face's loss
+    averages over each batch's real tokens, and micro-batches hold different numbers of them."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        input_ids, attention_mask, labels = batch
+        loss = self.model(input_ids, attention_mask=attention_mask, labels=labels).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def train_dataloader(self) -> DataLoader:
+        dataset = token_batches().dataset
+        assert isinstance(dataset, TensorDataset)
+        (tokens,) = dataset.tensors
+        lengths = torch.randint(3, SEQ_LEN + 1, (len(tokens),), generator=torch.Generator().manual_seed(3))
+        attention_mask = (torch.arange(SEQ_LEN) < lengths[:, None]).long()
+        labels = tokens.masked_fill(attention_mask == 0, -100)
+        return DataLoader(TensorDataset(tokens, attention_mask, labels), batch_size=BATCH_SIZE, shuffle=False)
+
+
+def label_tokens(batch: Any) -> torch.Tensor:
+    """A micro-batch's weight for Hugging Face's causal-LM loss: its labels that count after the shift by one."""
+    return (batch[2][:, 1:] != -100).sum()
+
+
 # --------------------------------------------------------------------------------------------------- 2. nanoGPT
 class CausalSelfAttention(nn.Module):
     def __init__(self, dim: int, heads: int, bias: bool = True) -> None:
@@ -571,6 +596,7 @@ class Spec:
 SPECS: dict[str, Spec] = {
     "hf_gpt2": Spec(HFGPT2),
     "hf_gpt2_dropout": Spec(lambda: HFGPT2(dropout=True), max_steps=12, max_epochs=3),
+    "hf_gpt2_padded": Spec(PaddedHFGPT2),
     "nanogpt": Spec(NanoGPT),
     "tuple_carry": Spec(TupleCarry),
     "tuple_output": Spec(TupleOutput),

@@ -28,7 +28,7 @@ LOSS_TOL = 1e-5  # logged training losses, absolute
 METRIC_RTOL = 1e-5  # validation metrics and checkpoint scores, relative
 GRAD_TOL = 1e-5  # relative to the largest magnitude of each gradient tensor
 SCHEDULE_NAMES = ["naive", "gpipe", "1f1b"]
-ADAMW_MODELS = {"hf_gpt2", "hf_gpt2_dropout", "nanogpt", "sliced"}
+ADAMW_MODELS = {"hf_gpt2", "hf_gpt2_dropout", "hf_gpt2_padded", "nanogpt", "sliced"}
 Result = dict[str, Any]
 
 
@@ -293,7 +293,8 @@ def test_gpt2_and_nanogpt_every_schedule(world_size: int) -> None:
     """Hugging Face GPT-2 (blocks in ``model.transformer.h``, an ``nn.ModuleList`` looped with a mask, position ids and
     a cache; head tied to ``wte``) and a nanoGPT module (``transformer.h`` inside an ``nn.ModuleDict``, boolean mask),
     found automatically, under every schedule; on 2 stages also the container named by ``blocks=`` and by the
-    ``sequential=`` alias, and GPT-2 with dropout (default GPT2Config), which must train, not match."""
+    ``sequential=`` alias, GPT-2 with dropout (default GPT2Config), which must train, not match, and GPT-2 on padded
+    sequences (labels -100 on the padding) with ``microbatch_weight`` counting each micro-batch's real tokens."""
     runs = [job(model, schedule=schedule, microbatches=world_size * (2 if schedule == "1f1b" else 1))
             for model in ("hf_gpt2", "nanogpt") for schedule in SCHEDULE_NAMES]
     checks = [matches(run["kwargs"]["model"]) for run in runs]
@@ -301,8 +302,10 @@ def test_gpt2_and_nanogpt_every_schedule(world_size: int) -> None:
         runs += [job("hf_gpt2", blocks="model.transformer.h", schedule="1f1b", microbatches=2),
                  job("nanogpt", blocks="transformer.h", schedule="gpipe", microbatches=4),
                  job("nanogpt", sequential="transformer.h", schedule="1f1b", microbatches=2),
-                 job("hf_gpt2_dropout", schedule="1f1b", microbatches=2)]
-        checks += [matches("hf_gpt2"), matches("nanogpt"), matches("nanogpt"), dropout_trains]
+                 job("hf_gpt2_dropout", schedule="1f1b", microbatches=2),
+                 job("hf_gpt2_padded", schedule="1f1b", microbatches=4, microbatch_weight="label_tokens")]
+        checks += [matches("hf_gpt2"), matches("nanogpt"), matches("nanogpt"), dropout_trains,
+                   matches("hf_gpt2_padded")]
     check_all(world_size, runs, checks, timeout=200 if world_size == 2 else 280)
 
 

@@ -2,7 +2,8 @@
 
 Every stage runs the user's step for every micro-batch (:mod:`lightning_pp.model.stage` makes the blocks of other
 stages stand-ins). Training: the last stage's step goes on to the loss, which is weighted by the micro-batch's share of
-the samples, so gradients equal one device's for losses that average over the batch. Evaluation: the micro-batches run
+the samples (or of what ``microbatch_weight`` counts, such as tokens), so gradients equal one device's for losses that
+average over the batch. Evaluation: the micro-batches run
 through the blocks only; the last stage then runs the user's step once on the whole batch with the blocks' joined
 outputs, so every logged value and every returned prediction is what one device computes.
 """
@@ -10,6 +11,7 @@ outputs, so every logged value and every returned prediction is what one device 
 from __future__ import annotations
 
 import hashlib
+import math
 from collections.abc import Callable, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -78,7 +80,8 @@ class StepDriver:
     """Runs one stage's part of each pipelined step; the strategy calls :meth:`run` from its step hooks."""
 
     def __init__(self, module: pl.LightningModule, view: StageView, p2p: StageP2P | None, recorder: LogRecorder,
-                 device: torch.device, schedule_for: Callable[[int, bool], Schedule], microbatches: int) -> None:
+                 device: torch.device, schedule_for: Callable[[int, bool], Schedule], microbatches: int,
+                 microbatch_weight: Callable[[Any], Any] | None = None) -> None:
         self.module = module
         self.view = view
         self.p2p = p2p
@@ -86,6 +89,7 @@ class StepDriver:
         self.device = device
         self.schedule_for = schedule_for
         self.microbatches = microbatches
+        self.microbatch_weight = microbatch_weight
         self.stage, self.num_stages = view.stage, view.num_stages
         self.randomness = StepRandomness(self.stage, device)
         self.steps_run = 0  # pipelined steps so far (the same count on every stage): seeds their random numbers
@@ -105,7 +109,8 @@ class StepDriver:
         batch, rest = args[0], args[1:]
         microbatches, sizes = split_batch(batch, self._microbatch_count(batch))
         total = sum(sizes)
-        weights = [size / total / accumulation for size in sizes]
+        shares = self._shares(microbatches, sizes) if training else [float(size) for size in sizes]
+        weights = [share / sum(shares) / accumulation for share in shares]
         last = self.stage == self.num_stages - 1
         stop_after_blocks = not (last and training)
         losses: dict[int, Tensor] = {}  # training: the last stage's micro-batch losses
@@ -170,10 +175,10 @@ class StepDriver:
         extra: dict[str, Any] | None = None
         records: list[Any] = []
         if last and training:
-            records = self.recorder.combine(sizes)
+            records = self.recorder.combine(shares)
             order = sorted(losses)
             values = torch.stack([losses[mb] for mb in order]).double().tolist()
-            result = sum(value * sizes[mb] for value, mb in zip(values, order, strict=True)) / total
+            result = sum(value * shares[mb] for value, mb in zip(values, order, strict=True)) / sum(shares)
             if extras:
                 extra = move_data_to_device(merge_microbatches([extras[mb] for mb in order], sizes),
                                             torch.device("cpu"))
@@ -191,6 +196,19 @@ class StepDriver:
         loss = torch.tensor(result, dtype=torch.get_default_dtype(), device=self.device)
         # what training_step returned on one device: the loss, and any other entries merged over micro-batches
         return {"loss": loss, **move_data_to_device(extra, self.device)} if extra else loss
+
+    def _shares(self, microbatches: list[Any], sizes: list[int]) -> list[float]:
+        """Each micro-batch's share of the batch's loss: its samples, or what ``microbatch_weight`` says."""
+        if self.microbatch_weight is None:
+            return [float(size) for size in sizes]
+        shares = [float(self.microbatch_weight(mb)) for mb in microbatches]
+        if not all(math.isfinite(share) and share >= 0 for share in shares) or sum(shares) <= 0:
+            raise PipelineConfigError(
+                f"microbatch_weight gave {shares} for micro-batches of {sizes} samples; it must give each micro-batch "
+                f"a finite, non-negative weight (what its loss averages over, e.g. its tokens that are not ignored), "
+                f"not all zero."
+            )
+        return shares
 
     def _microbatch_count(self, batch: Any) -> int:
         """The configured count, or fewer for a batch with fewer samples (a last, partial batch)."""
