@@ -4,23 +4,39 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import sys
 import traceback
 from pathlib import Path
 
-import torch
 
-sys.path.insert(0, str(Path(__file__).parent))
-torch.set_num_threads(1)
+def _die_with_launcher(launcher_pid: int) -> None:
+    """Have the kernel SIGKILL this rank when the launching process ends: its ``finally`` kills the job, but nothing
+    of it runs when it is itself killed or ends by ``os._exit`` (pytest-timeout's thread method)."""
+    if sys.platform == "linux":
+        import ctypes
+
+        pr_set_pdeathsig = 1
+        ctypes.CDLL(None, use_errno=True).prctl(pr_set_pdeathsig, signal.SIGKILL)
+    if os.getppid() != launcher_pid:  # it ended before the line above
+        os._exit(1)
 
 
 def main() -> None:
     spec = json.loads(Path(sys.argv[1]).read_text())
+    _die_with_launcher(spec["launcher_pid"])
+
+    import torch
+
+    sys.path.insert(0, str(Path(__file__).parent))
+    torch.set_num_threads(1)
     out = Path(spec["out_dir"])
     rank = int(os.environ["LOCAL_RANK"])
     import scenarios
 
     for index, run in enumerate(spec["runs"]):
+        # each run's process group meets at its own store, hosted by the launcher (see _launch.py)
+        os.environ["MASTER_PORT"] = str(spec["ports"][index])
         try:
             result = getattr(scenarios, run["scenario"])(**run.get("kwargs", {}))
         except BaseException as error:  # report, then stop this rank like an uncaught error would

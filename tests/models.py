@@ -450,7 +450,7 @@ def with_callbacks(dirpath: str, strategy: Any = "auto", devices: int = 1) -> di
 
 
 class GradientRecorder(L.Callback):
-    """Keeps the gradients the optimizer is about to apply at every step (after clipping, before the update)."""
+    """Keeps the gradients the optimizer is about to apply at every step (before clipping, before the update)."""
 
     def __init__(self) -> None:
         self.grads: list[dict[str, torch.Tensor]] = []
@@ -460,10 +460,12 @@ class GradientRecorder(L.Callback):
 
 
 class AppliedGradientRecorder(L.Callback):
-    """Keeps, at every optimizer step, the gradients ``optimizer.step`` applies and the weights they were computed at.
+    """Keeps, at every optimizer step, the gradients ``optimizer.step`` applied and the weights they were computed at.
 
-    Recorded by a step pre-hook: after the strategy has summed the gradients of replicated weights and after clipping
-    (``on_before_optimizer_step``, where `GradientRecorder` records, runs before clipping), before the update.
+    Lightning runs ``training_step`` and ``backward`` inside ``optimizer.step`` (its closure), so the weights are read
+    by a step pre-hook (before the closure: the weights this step's gradients are computed at) and the gradients by a
+    step post-hook (after the strategy summed the gradients of replicated weights, after clipping; the update leaves
+    ``grad`` as it was). ``on_before_optimizer_step``, where `GradientRecorder` records, runs before clipping.
     """
 
     def __init__(self) -> None:
@@ -472,12 +474,16 @@ class AppliedGradientRecorder(L.Callback):
         self._handles: list[Any] = []
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        def record(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            named = list(pl_module.named_parameters())
-            self.grads.append({n: p.grad.detach().clone() for n, p in named if p.grad is not None})
-            self.weights.append({n: p.detach().clone() for n, p in named})
+        def record_weights(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            self.weights.append({n: p.detach().clone() for n, p in pl_module.named_parameters()})
 
-        self._handles = [optimizer.register_step_pre_hook(record) for optimizer in trainer.optimizers]
+        def record_grads(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
+            self.grads.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters()
+                               if p.grad is not None})
+
+        self._handles = [hook for optimizer in trainer.optimizers
+                         for hook in (optimizer.register_step_pre_hook(record_weights),
+                                      optimizer.register_step_post_hook(record_grads))]
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         for handle in self._handles:
@@ -528,7 +534,7 @@ class TiedClassifierSGD(L.LightningModule):
         return loss
 
     def configure_optimizers(self) -> Any:
-        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+        return torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)
 
 
 MODELS["mlp_sgd"] = MLPClassifierSGD

@@ -36,7 +36,7 @@ def test_full_checkpoint_loads_in_plain_lightning_and_resumes_everywhere(tmp_pat
 
     ranks = launch(2, [run(schedule="1f1b", microbatches=2, max_epochs=1, save_to=two_stage_ckpt, trainer={}),
                        run(schedule="gpipe", microbatches=2, max_epochs=2, ckpt_path=single_ckpt, trainer={})],
-                   timeout=300)
+                   timeout=200)
     pipelined_epoch1, _ = assemble(ranks, 0)
     assert_params_close(assemble(ranks, 1)[0], uninterrupted, "single-device checkpoint resumed on 2 stages")
 
@@ -49,7 +49,7 @@ def test_full_checkpoint_loads_in_plain_lightning_and_resumes_everywhere(tmp_pat
     assert_params_close(resumed_single, uninterrupted, "2-stage checkpoint resumed on one device")
 
     ranks = launch(4, [run(schedule="1f1b", microbatches=4, max_epochs=2, ckpt_path=two_stage_ckpt, trainer={})],
-                   timeout=300)
+                   timeout=200)
     assert_params_close(assemble(ranks, 0)[0], uninterrupted, "2-stage checkpoint resumed on 4 stages")
 
 
@@ -57,11 +57,11 @@ def test_sharded_checkpoint_resumes_on_other_stage_counts(tmp_path: Path) -> Non
     uninterrupted = single_device(max_epochs=2)
     four = str(tmp_path / "four_stages.ckpt")
     ranks = launch(4, [run(schedule="gpipe", microbatches=4, max_epochs=1, save_to=four,
-                           checkpoint_format="sharded", trainer={})], timeout=300)
+                           checkpoint_format="sharded", trainer={})], timeout=200)
     assert sorted(p.name for p in Path(four).iterdir()) == [
         "checkpoint.pt", "stage0.pt", "stage1.pt", "stage2.pt", "stage3.pt"]
     ranks = launch(2, [run(schedule="1f1b", microbatches=2, max_epochs=2, ckpt_path=four,
-                           checkpoint_format="sharded", trainer={})], timeout=300)
+                           checkpoint_format="sharded", trainer={})], timeout=200)
     assert_params_close(assemble(ranks, 0)[0], uninterrupted, "4-stage sharded checkpoint resumed on 2 stages")
 
 

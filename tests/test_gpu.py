@@ -54,7 +54,7 @@ def test_nccl_pipeline_matches_single_gpu(schedule: str) -> None:
     runs: list[dict[str, Any]] = [
         {"scenario": "train", "kwargs": {"model": model, "schedule": schedule, "microbatches": 4,
                                          "trainer": {"accelerator": "gpu"}}} for model in ("mlp", "tied")]
-    ranks = launch(2, runs, timeout=400)
+    ranks = launch(2, runs, timeout=300)
     for index, run in enumerate(runs):
         full, history = assemble(ranks, index)
         expected = reference(run["kwargs"]["model"], accelerator="gpu")

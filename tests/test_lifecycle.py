@@ -28,7 +28,7 @@ def assert_same_metrics(got: dict[str, float], want: dict[str, float], label: st
 def test_validation_test_predict_and_metrics_match_single_device(world_size: int) -> None:
     runs = [{"scenario": "lifecycle", "kwargs": {"schedule": s, "microbatches": m}}
             for s, m in [("1f1b", world_size), ("gpipe", 3)]]
-    ranks = launch(world_size, runs, timeout=400)
+    ranks = launch(world_size, runs, timeout=300)
     expected = reference()
     for index, run in enumerate(runs):
         label = f"{world_size} stages {run['kwargs']}"
@@ -61,7 +61,7 @@ def test_module_written_without_pipelines_in_mind_matches_single_device(world_si
     runs = [{"scenario": "train", "kwargs": {"model": "everyday", "max_steps": -1, "max_epochs": 3,
                                              "schedule": s, "microbatches": m}}
             for s, m in [("1f1b", 4), ("gpipe", 3)]]
-    ranks = launch(world_size, runs, timeout=400)
+    ranks = launch(world_size, runs, timeout=300)
     for index, run in enumerate(runs):
         label = f"{world_size} stages {run['kwargs']}"
         full, history = assemble(ranks, index)

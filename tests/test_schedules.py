@@ -59,18 +59,21 @@ def test_every_schedule_validates(name: str, stages: int, microbatches: int) -> 
     assert all(a.type is not ActionType.BACKWARD for actions in forward_only.actions for a in actions)
 
 
+def _peak_in_flight(actions: list[Action]) -> int:
+    """The most micro-batches a stage holds activations for at once: +1 at each forward, -1 at each backward."""
+    in_flight = peak = 0
+    for action in actions:
+        in_flight += 1 if action.type is ActionType.FORWARD else -1
+        peak = max(peak, in_flight)
+    return peak
+
+
 def test_1f1b_bounds_in_flight_microbatches() -> None:
     stages, microbatches = 4, 8
-    schedule = build_schedule("1f1b", stages, microbatches)
+    one_f_one_b, gpipe = build_schedule("1f1b", stages, microbatches), build_schedule("gpipe", stages, microbatches)
     for stage in range(stages):
-        in_flight = peak = 0
-        for action in schedule.compute_actions(stage):
-            in_flight += 1 if action.type is ActionType.FORWARD else -1
-            peak = max(peak, in_flight)
-        assert peak == stages - stage
-    gpipe_peak = max(sum(1 for a in build_schedule("gpipe", stages, microbatches).compute_actions(0)
-                         if a.type is ActionType.FORWARD), 0)
-    assert gpipe_peak == microbatches
+        assert _peak_in_flight(one_f_one_b.compute_actions(stage)) == stages - stage
+        assert _peak_in_flight(gpipe.compute_actions(stage)) == microbatches
 
 
 def test_action_string_round_trip() -> None:

@@ -1,0 +1,112 @@
+"""The test launcher: every process of a job ends with the launch, however the launch ends."""
+
+from __future__ import annotations
+
+import _thread
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+
+import pytest
+from _launch import LaunchTimeoutError, launch
+
+# each rank ignores SIGTERM, starts a child that ignores it too, writes both pids, and sleeps forever
+STUBBORN_JOB = "ignore_sigterm_forever"
+STARTED_WITHIN_S = 90.0  # a rank imports torch, Lightning and lightning_pp first: ~10 s on a busy 2-core machine
+
+
+def _alive(pid: int) -> bool:
+    """Whether ``pid`` is a process that has not terminated (a zombie waiting to be reaped counts as ended)."""
+    try:
+        stat = Path(f"/proc/{pid}/stat").read_text()
+    except FileNotFoundError:
+        return False
+    except OSError:  # no /proc: ask the kernel
+        try:
+            os.kill(pid, 0)
+        except ProcessLookupError:
+            return False
+        return True
+    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # the state follows the parenthesised name
+
+
+def _job_pids(pid_dir: Path) -> list[int]:
+    return [int(pid) for path in sorted(pid_dir.glob("*.pids")) for pid in path.read_text().split()]
+
+
+def _wait_for_pid_files(pid_dir: Path, world_size: int, stop: threading.Event | None = None) -> bool:
+    """Whether every rank wrote its pids within ``STARTED_WITHIN_S`` (and before ``stop`` was set)."""
+    deadline = time.monotonic() + STARTED_WITHIN_S
+    while len(list(pid_dir.glob("*.pids"))) < world_size:
+        if time.monotonic() > deadline or (stop is not None and stop.is_set()):
+            return False
+        time.sleep(0.1)
+    return True
+
+
+def _assert_all_ended(pids: list[int]) -> None:
+    """SIGKILL is delivered at once but a process takes a moment to go: allow a few seconds."""
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert not [pid for pid in pids if _alive(pid)], f"still running: {[pid for pid in pids if _alive(pid)]}"
+
+
+def test_timed_out_job_leaves_no_process(tmp_path: Path) -> None:
+    """A short timeout usually fires once the ranks sleep; on a machine too busy for them to get there, try longer."""
+    for timeout in (20, 60):
+        for path in tmp_path.glob("*.pids"):
+            path.unlink()
+        start = time.monotonic()
+        with pytest.raises(LaunchTimeoutError, match=f"did not finish within {timeout} s") as info:
+            launch(2, [{"scenario": STUBBORN_JOB, "kwargs": {"pid_dir": str(tmp_path)}}], timeout=timeout)
+        assert time.monotonic() - start < timeout + 10
+        pids = sorted({*info.value.pids, *_job_pids(tmp_path)})
+        _assert_all_ended(pids)
+        if len(pids) == 2 + 2:  # the ranks had started their children and were ignoring SIGTERM
+            return
+    pytest.fail("the ranks never got as far as their sleep before the launch timed out")
+
+
+def test_exception_in_the_launching_process_leaves_no_process(tmp_path: Path) -> None:
+    """Ctrl-C (or pytest's timeout, or any error) arrives in the test process while the job runs."""
+    launch_ended = threading.Event()
+
+    def interrupt_once_started() -> None:
+        _wait_for_pid_files(tmp_path, 2, stop=launch_ended)
+        if not launch_ended.is_set():  # never interrupt whatever runs after this test
+            _thread.interrupt_main()  # KeyboardInterrupt in the test's thread, inside launch's wait
+
+    interrupter = threading.Thread(target=interrupt_once_started, daemon=True)
+    interrupter.start()
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            launch(2, [{"scenario": STUBBORN_JOB, "kwargs": {"pid_dir": str(tmp_path)}}],
+                   timeout=STARTED_WITHIN_S + 60)
+    finally:
+        launch_ended.set()
+        interrupter.join()
+    pids = _job_pids(tmp_path)
+    assert len(pids) == 4, "the ranks did not start their children in time"
+    _assert_all_ended(pids)
+
+
+def test_killed_launching_process_leaves_no_process(tmp_path: Path) -> None:
+    """The launching process is SIGKILLed (no ``finally`` runs there): its ranks and their children end anyway."""
+    script = (f"import sys; sys.path.insert(0, {str(Path(__file__).parent)!r}); from _launch import launch; "
+              f"launch(2, [{{'scenario': {STUBBORN_JOB!r}, 'kwargs': {{'pid_dir': {str(tmp_path)!r}}}}}], "
+              f"timeout={STARTED_WITHIN_S + 60})")
+    launcher = subprocess.Popen([sys.executable, "-c", script])
+    try:
+        started = _wait_for_pid_files(tmp_path, 2)
+    finally:
+        launcher.send_signal(signal.SIGKILL)
+        launcher.wait()
+    assert started, "the ranks did not start their children in time"
+    pids = _job_pids(tmp_path)
+    assert len(pids) == 4
+    _assert_all_ended(pids)
