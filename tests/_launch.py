@@ -139,3 +139,17 @@ def launch(world_size: int, runs: list[dict[str, Any]], timeout: float = DEFAULT
             raise LaunchTimeoutError(f"multi-process job did not finish within {timeout} s:\n{logs_text}",
                                      [proc.pid for proc in procs])
         return ranks
+
+
+def run_script(args: list[str], timeout: float, **popen: Any) -> subprocess.CompletedProcess[str]:
+    """Run a script that starts processes of its own (Lightning's launcher, the benchmark's workers) like
+    ``subprocess.run(capture_output=True, text=True)``; however it ends, its whole process group is SIGKILLed."""
+    proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
+                            **popen)
+    try:
+        stdout, stderr = proc.communicate(timeout=timeout)
+    finally:
+        with contextlib.suppress(ProcessLookupError):
+            os.killpg(proc.pid, signal.SIGKILL)
+        proc.wait()
+    return subprocess.CompletedProcess(args, proc.returncode, stdout, stderr)

@@ -5,21 +5,21 @@ from __future__ import annotations
 
 import json
 import os
-import subprocess
 import sys
 from pathlib import Path
 
 import pytest
+from _launch import run_script
 
 SCRIPT = Path(__file__).parents[1] / "benchmarks" / "compare.py"
 
 
 def run_compare(out: Path, *args: str) -> dict:
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK")}
-    result = subprocess.run(
+    result = run_script(
         [sys.executable, str(SCRIPT), "--hidden", "32", "--no-gpt", "--steps", "3", "--warmup", "1",
          "--monitor-steps", "2", "--out", str(out), *args],
-        capture_output=True, text=True, timeout=280, env=env,
+        timeout=280, env=env,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "failed" not in result.stdout, result.stdout + result.stderr[-3000:]

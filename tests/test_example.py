@@ -3,18 +3,19 @@
 from __future__ import annotations
 
 import os
-import subprocess
 import sys
 from pathlib import Path
+
+from _launch import run_script
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 
 
 def test_gpt_example_trains_and_writes_tensorboard_logs(tmp_path: Path) -> None:
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")}
-    result = subprocess.run(
+    result = run_script(
         [sys.executable, str(EXAMPLES / "train_gpt.py"), "--max-steps", "20", "--log-dir", str(tmp_path)],
-        capture_output=True, text=True, timeout=240, env=env, cwd=tmp_path,
+        timeout=240, env=env, cwd=tmp_path,
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "final train_loss" in result.stdout

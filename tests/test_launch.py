@@ -110,3 +110,24 @@ def test_killed_launching_process_leaves_no_process(tmp_path: Path) -> None:
     pids = _job_pids(tmp_path)
     assert len(pids) == 4
     _assert_all_ended(pids)
+
+
+def test_a_timed_out_script_takes_its_processes_along(tmp_path: Path) -> None:
+    """``run_script`` (the example's and the benchmark's tests): a script whose child ignores SIGTERM times out, and
+    neither is left running."""
+    from _launch import run_script
+
+    pid_file = tmp_path / "pids"
+    script = ("import os, signal, subprocess, sys, time\n"
+              "child = subprocess.Popen([sys.executable, '-c', 'import signal, time; "
+              "signal.signal(signal.SIGTERM, signal.SIG_IGN); time.sleep(3600)'])\n"
+              f"open({str(pid_file)!r}, 'w').write(f'{{os.getpid()}} {{child.pid}}')\n"
+              "signal.signal(signal.SIGTERM, signal.SIG_IGN)\n"
+              "time.sleep(3600)\n")
+    with pytest.raises(subprocess.TimeoutExpired):
+        run_script([sys.executable, "-c", script], timeout=5)
+    pids = [int(p) for p in pid_file.read_text().split()]
+    deadline = time.monotonic() + 10
+    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(_alive(pid) for pid in pids), pids
