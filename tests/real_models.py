@@ -17,7 +17,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint
-from models import MODELS, RecordingLogger
+from models import MODELS, AppliedGradientRecorder, RecordingLogger
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -562,26 +562,6 @@ class InplaceFeatures(L.LightningModule):
 
 
 # --------------------------------------------------------------------------------------------- the runs compared
-class StepGradients(L.Callback):
-    """Keeps the gradients every ``optimizer.step`` applied: read by a step post-hook (a pre-hook runs before
-    Lightning's closure, which holds training_step and backward, so it would see the previous step's gradients)."""
-
-    def __init__(self) -> None:
-        self.grads: list[dict[str, torch.Tensor]] = []
-        self._handles: list[Any] = []
-
-    def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        def record(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            self.grads.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters()
-                               if p.grad is not None})
-
-        self._handles = [optimizer.register_step_post_hook(record) for optimizer in trainer.optimizers]
-
-    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
-        for handle in self._handles:
-            handle.remove()
-
-
 @dataclass(frozen=True)
 class Spec:
     """How a model of this file is trained, the same for the single-device reference and every pipelined rank."""
@@ -623,7 +603,7 @@ def run(name: str, strategy: Any = "auto", devices: int = 1, dirpath: str | None
     if replay is not None:
         assert isinstance(module, Denoiser)
         module.replay = list(replay)
-    logger, recorder = RecordingLogger(), StepGradients()
+    logger, recorder = RecordingLogger(), AppliedGradientRecorder()
     callbacks: list[L.Callback] = [recorder]
     checkpoint = None
     with tempfile.TemporaryDirectory() as scratch:
