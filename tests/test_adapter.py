@@ -68,7 +68,8 @@ def test_named_container_and_errors() -> None:
 
 
 def test_encoder_decoder_is_ambiguous_and_says_so() -> None:
-    model = nn.Transformer(d_model=8, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=16)
+    model = nn.Transformer(d_model=8, nhead=2, num_encoder_layers=2, num_decoder_layers=2, dim_feedforward=16,
+                           batch_first=True)
     with pytest.raises(PipelineConfigError, match=r"'decoder.layers' \(2 blocks, .*'encoder.layers' \(2 blocks.*"
                                                   r"encoder-decoder such as nn.Transformer or T5"):
         find_blocks(model, None)
