@@ -266,23 +266,21 @@ class PipelineParallelStrategy(ParallelStrategy):
         # every stage of the one pipeline loads the same samples: a single data-parallel replica
         return {"num_replicas": 1, "rank": 0}
 
-    @override
-    def _configure_launcher(self) -> None:
-        # runs in the launching process before any worker starts: a balance for another world size fails here, once
+    def _check_balance_fits_world(self) -> None:
         _check(self._balance is None or len(self._balance) == self.num_stages,
                f"balance={self._balance} describes {len(self._balance or [])} stages but the Trainer runs "
                f"{self.num_stages} processes (one stage each). Use Trainer(devices={len(self._balance or [])}) or "
                f"give {self.num_stages} block counts.")
+
+    @override
+    def _configure_launcher(self) -> None:
+        self._check_balance_fits_world()  # in the launching process, before any worker starts
         assert self.cluster_environment is not None
         self._launcher = _compat._SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
     def setup_environment(self) -> None:
-        # checked again before the process group exists (a launcher such as torchrun skips _configure_launcher's)
-        _check(self._balance is None or len(self._balance) == self.num_stages,
-               f"balance={self._balance} describes {len(self._balance or [])} stages but the Trainer runs "
-               f"{self.num_stages} processes (one stage each). Use Trainer(devices={len(self._balance or [])}) or "
-               f"give {self.num_stages} block counts.")
+        self._check_balance_fits_world()  # again before the process group exists (torchrun starts every rank itself)
         super().setup_environment()
         if self._reuse_cpu_memory and self.root_device.type == "cpu":
             keep_freed_cpu_memory()
