@@ -9,6 +9,7 @@ process.
 
 from __future__ import annotations
 
+import contextlib
 import os
 import sys
 import threading
@@ -35,10 +36,8 @@ class FailureSignal:
     def report(self, message: str) -> None:
         """Tell every rank this one failed (called once, on the failing rank; its own watcher stops)."""
         self._stop.set()
-        try:
+        with contextlib.suppress(Exception):  # the store may be gone with rank 0; the transfers' timeouts remain
             self._store.set(self._key, message)
-        except Exception:
-            return
 
     def stop(self) -> None:
         self._stop.set()

@@ -21,17 +21,26 @@ def _coalesced(tensors: Iterable[Tensor]) -> dict[torch.dtype, list[Tensor]]:
     return by_dtype
 
 
+def _through_one_collective(tensors: list[Tensor], collective: Callable[[Tensor], object],
+                            device: torch.device) -> list[Tensor]:
+    """Run ``collective`` in place on one flat copy of ``tensors`` (one dtype); return its pieces, shaped like them."""
+    flat = torch.cat([t.detach().reshape(-1).to(device) for t in tensors])
+    collective(flat)
+    pieces, offset = [], 0
+    for t in tensors:
+        pieces.append(flat[offset : offset + t.numel()].view_as(t))
+        offset += t.numel()
+    return pieces
+
+
 def broadcast_from_rank_zero(tensors: Iterable[Tensor], device: torch.device) -> None:
     """Give every rank rank 0's values of ``tensors`` (the weights and buffers every stage holds), as DDP does at start:
     ranks seeded differently would otherwise each train their own copy. One broadcast per dtype."""
     with torch.no_grad():
         for group in _coalesced(t for t in tensors if t.numel() > 0).values():
-            flat = torch.cat([t.detach().reshape(-1).to(device) for t in group])
-            dist.broadcast(flat, src=0)
-            offset = 0
-            for t in group:
-                t.copy_(flat[offset : offset + t.numel()].view_as(t))
-                offset += t.numel()
+            for t, value in zip(group, _through_one_collective(group, lambda flat: dist.broadcast(flat, src=0), device),
+                                strict=True):
+                t.copy_(value)
 
 
 class PipelineGradients:
@@ -56,12 +65,9 @@ class PipelineGradients:
         dist.all_reduce(has_grad)
         used = [p for p, n in zip(self.shared, has_grad.tolist(), strict=True) if n > 0]
         for group in _coalesced(used).values():
-            flat = torch.cat([(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1) for p in group])
-            dist.all_reduce(flat)
-            offset = 0
-            for p in group:
-                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
-                offset += p.numel()
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group]
+            for p, summed in zip(group, _through_one_collective(grads, dist.all_reduce, self.device), strict=True):
+                p.grad = summed.clone()
 
     def clip_by_global_norm(self, params: Iterable[nn.Parameter], clip_val: float) -> None:
         """``clip_grad_norm_`` over the whole pipeline: squared norms summed over stages, each weight counted once."""

@@ -104,8 +104,8 @@ class StageView:
             else:
                 container.register_module(key, stand_in)
         first, last = self._local_blocks[self.keys[self.local[0]]], self._local_blocks[self.keys[self.local[-1]]]
-        self._hooks = [first.register_forward_pre_hook(self._before_first_block),
-                       last.register_forward_hook(self._after_last_block)]
+        first.register_forward_pre_hook(self._before_first_block)
+        last.register_forward_hook(self._after_last_block)
 
     def local_blocks(self) -> list[nn.Module]:
         return list(self._local_blocks.values())
