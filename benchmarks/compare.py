@@ -19,6 +19,15 @@ schedules ``--schedules``; ``--stages`` stages, 8 micro-batches). Every runner r
    of the difference is the allocator.
 4. **single process**: the whole model in one process, the same plain loop over the whole batch (no micro-batches).
 
+**Data parallelism** (``--replicas r``; by default 2 as well where the machine has a core or GPU for each of the
+``2p`` processes): ``r`` copies of each ``p``-stage pipeline in ``p * r`` processes, each replica reading its own
+batches of the same size (weak scaling: ``r`` times the samples per step). lightning_pp runs
+``PipelineParallelStrategy(pipeline_parallel_size=p)`` on ``p * r`` devices (Lightning's sampler shards the data);
+torch.distributed.pipelining wraps each stage's layers in ``DistributedDataParallel`` over that stage's replicas (the
+same rank layout: a stage's replicas on neighbouring ranks) and gives ``PipelineStage`` the pipeline's group, each
+replica reading its shard through a ``DistributedSampler``. The ideal step is the one-replica ideal: the gradient
+all-reduce is overhead.
+
 Every process runs with one CPU thread (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``). ``--device`` picks
 where: ``cpu`` computes there and communicates over gloo; ``cuda`` gives rank ``r`` GPU ``r`` and uses NCCL (the
 single process runs on GPU 0). The default is ``cuda`` when at least 2 GPUs are visible, else ``cpu``. The default
@@ -143,17 +152,23 @@ def make_batches(hidden: int, steps: int) -> list[tuple[Any, Any]]:
             for _ in range(steps)]
 
 
-def make_loader(run: dict[str, Any], steps: int) -> Any:
-    """The ``DataLoader`` every runner reads: ``steps`` batches of the run's model, in order, on the CPU, no workers
-    (loading and collating happen in the training process, inside the timed window)."""
+def make_loader(run: dict[str, Any], steps: int, replica: int | None = None) -> Any:
+    """The ``DataLoader`` every runner reads: ``steps`` batches of the run's model per data-parallel replica, on the
+    CPU, no workers (loading and collating happen in the training process, inside the timed window). With
+    ``replica``, the loader reads that replica's shard itself (what Lightning's sampler does for lightning_pp)."""
     import torch
-    from torch.utils.data import DataLoader, TensorDataset
+    from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
+    batches = steps * run.get("replicas", 1)
     if run["model"] == "gpt":
-        return DataLoader(make_tokens(steps), batch_size=GPT_BATCH, shuffle=False)
-    batches = make_batches(run["hidden"], steps)
-    data = TensorDataset(torch.cat([x for x, _ in batches]), torch.cat([y for _, y in batches]))
-    return DataLoader(data, batch_size=BATCH, shuffle=False)
+        data: Any = make_tokens(batches)
+        batch_size = GPT_BATCH
+    else:
+        pairs = make_batches(run["hidden"], batches)
+        data, batch_size = TensorDataset(torch.cat([x for x, _ in pairs]), torch.cat([y for _, y in pairs])), BATCH
+    sampler: Any = (DistributedSampler(data, num_replicas=run["replicas"], rank=replica, shuffle=False)
+               if replica is not None else None)
+    return DataLoader(data, batch_size=batch_size, shuffle=False, sampler=sampler)
 
 
 def to_device(batch: Any, device: Any) -> Any:
@@ -330,21 +345,26 @@ def worker_single(run: dict[str, Any]) -> dict[str, Any]:
     return {"times": step_windows(marks), "peak_saved_bytes": meter.peak}
 
 
-def worker_torch(run: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
+def worker_torch(run: dict[str, Any], rank: int) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.nn.parallel import DistributedDataParallel
 
     device = run_device(run)
     layers = make_layers(run["hidden"])
-    per_stage = NUM_LAYERS // world
-    submodule = layers[rank * per_stage:(rank + 1) * per_stage].to(device)
-    stage = PipelineStage(submodule, stage_index=rank, num_stages=world, device=device)
+    stages, replicas = run["stages"], run["replicas"]
+    index, replica = rank // replicas, rank % replicas  # lightning_pp's layout: a stage's replicas side by side
+    pipeline_group, replica_group = pipeline_and_replica_groups(stages, replicas, rank)
+    per_stage = NUM_LAYERS // stages
+    submodule = layers[index * per_stage:(index + 1) * per_stage].to(device)
+    stage_module = (DistributedDataParallel(submodule, process_group=replica_group) if replicas > 1 else submodule)
+    stage = PipelineStage(stage_module, stage_index=index, num_stages=stages, device=device, group=pipeline_group)
     schedule_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[run["schedule"]]
     schedule = schedule_cls(stage, n_microbatches=MICROBATCHES, loss_fn=F.mse_loss)
     opt = torch.optim.SGD(submodule.parameters(), lr=LR)
     meter = step_memory_meter(submodule, device)
-    is_first, is_last = rank == 0, rank == world - 1
+    is_first, is_last = index == 0, index == stages - 1
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         losses: list[torch.Tensor] = []
@@ -357,7 +377,7 @@ def worker_torch(run: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         opt.step()
         opt.zero_grad()
 
-    batches = iter(make_loader(run, run["steps"] + 1))
+    batches = iter(make_loader(run, run["steps"] + 1, replica if replicas > 1 else None))
     marks: list[float] = []
     for i in range(run["steps"] + 1):
         synchronize(device)  # so that the clock covers the previous step's queued kernels
@@ -366,7 +386,25 @@ def worker_torch(run: dict[str, Any], rank: int, world: int) -> dict[str, Any]:
         # one extra step after the timed ones is metered (the hooks cost time); its start ends the last timed step
         with meter.measure() if i == run["steps"] else nullcontext():
             step(x, y)
-    return {"times": step_windows(marks) if is_first else [], "peak_saved_bytes": meter.peak}
+    return {"times": step_windows(marks) if rank == 0 else [], "peak_saved_bytes": meter.peak}
+
+
+def pipeline_and_replica_groups(stages: int, replicas: int, rank: int) -> tuple[Any, Any]:
+    """This rank's pipeline group and its stage's data-parallel group (every rank creates every group, in order)."""
+    import torch.distributed as dist
+
+    if replicas == 1:
+        return None, None
+    mine: list[Any] = [None, None]
+    for replica in range(replicas):
+        ranks = [stage * replicas + replica for stage in range(stages)]
+        group = dist.new_group(ranks)
+        mine[0] = group if rank in ranks else mine[0]
+    for stage in range(stages):
+        ranks = [stage * replicas + replica for replica in range(replicas)]
+        group = dist.new_group(ranks)
+        mine[1] = group if rank in ranks else mine[1]
+    return mine[0], mine[1]
 
 
 def worker_lightning(run: dict[str, Any], rank: int) -> dict[str, Any]:
@@ -427,8 +465,9 @@ def worker_lightning(run: dict[str, Any], rank: int) -> dict[str, Any]:
     def fit(steps: int, callbacks: list[Callback]) -> None:
         module: L.LightningModule = make_gpt() if run["model"] == "gpt" else MLP()
         trainer = L.Trainer(
-            accelerator="gpu" if run["device"] == "cuda" else "cpu", devices=run["stages"],
-            strategy=PipelineParallelStrategy(schedule=run["schedule"], microbatches=MICROBATCHES),
+            accelerator="gpu" if run["device"] == "cuda" else "cpu", devices=run["stages"] * run["replicas"],
+            strategy=PipelineParallelStrategy(schedule=run["schedule"], microbatches=MICROBATCHES,
+                                              pipeline_parallel_size=run["stages"]),
             max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
             enable_model_summary=False, callbacks=callbacks,
         )
@@ -474,7 +513,7 @@ def worker_main(kind: str, spec_path: str, out_dir: str) -> None:
             if kind == "single":
                 results.append(worker_single(run))
             elif kind.startswith("torch"):
-                results.append(worker_torch(run, rank, world))
+                results.append(worker_torch(run, rank))
                 dist.barrier()
             else:
                 results.append(worker_lightning(run, rank))
@@ -541,7 +580,7 @@ def launch(kind: str, device: str, runs: list[dict[str, Any]], world: int, timeo
     return per_rank
 
 
-Config = tuple[str, int, str, int]  # model, hidden, schedule ("-" for the single process), stages
+Config = tuple[str, int, str, int, int]  # model, hidden, schedule ("-" for the single process), stages, replicas
 PerRank = list[dict[str, Any] | None]  # one run's result on every rank (None where a rank produced none)
 
 
@@ -595,18 +634,18 @@ def build_rows(results: dict[str, dict[Config, PerRank]], models: list[tuple[str
     t_single: dict[tuple[str, int], float] = {}
     if "single" in results:
         for model, hidden in models:
-            res = first_rank("single", (model, hidden, "-", 1))
+            res = first_rank("single", (model, hidden, "-", 1, 1))
             stats = summarize(res["times"]) if res else None
             if stats:
                 t_single[(model, hidden)] = stats["median"]
             rows.append({
-                "model": model_label(model, hidden), "hidden": hidden, "schedule": "-", "stages": 1,
+                "model": model_label(model, hidden), "hidden": hidden, "schedule": "-", "stages": 1, "replicas": 1,
                 "microbatches": 1, "runner": RUNNER_LABELS["single"], "step_s": stats, "ratio_to_torch": None,
                 "efficiency": None, "bubble_fraction": None,
                 "peak_saved_bytes": [res["peak_saved_bytes"] if res else None], "overhead_per_microbatch_ms": None,
             })
     for config in configs:
-        model, hidden, schedule, p = config
+        model, hidden, schedule, p, replicas = config
         torch_res = first_rank("torch", config)
         torch_stats = summarize(torch_res["times"]) if torch_res else None
         ts = t_single.get((model, hidden))
@@ -619,7 +658,7 @@ def build_rows(results: dict[str, dict[Config, PerRank]], models: list[tuple[str
             bubbles = res0.get("bubble_fractions") if res0 else None
             rows.append({
                 "model": model_label(model, hidden), "hidden": hidden, "schedule": schedule, "stages": p,
-                "microbatches": m, "runner": RUNNER_LABELS[kind], "step_s": stats,
+                "replicas": replicas, "microbatches": m, "runner": RUNNER_LABELS[kind], "step_s": stats,
                 "ratio_to_torch": stats["median"] / torch_stats["median"] if stats and torch_stats else None,
                 "efficiency": ideal / stats["median"] if stats and ideal else None,
                 "bubble_fraction": statistics.median(bubbles) if bubbles else None,
@@ -639,7 +678,8 @@ def markdown(rows: list[dict[str, Any]], memory_column: str) -> str:
         "|---|---|---|---|---|---|---|---|",
     ]
     for r in rows:
-        config = f"{r['model']}, {r['schedule']}, p={r['stages']}, m={r['microbatches']}"
+        replicas = f" x {r['replicas']} replicas" if r["replicas"] > 1 else ""
+        config = f"{r['model']}, {r['schedule']}, p={r['stages']}{replicas}, m={r['microbatches']}"
         bubble = "n/a" if r["runner"] != RUNNER_LABELS["lightning"] else opt(r["bubble_fraction"], ".3f")
         lines.append(
             f"| {config} | {r['runner']} | {fmt_s(r['step_s'])} | {opt(r['ratio_to_torch'], '.2f')} "
@@ -680,6 +720,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="cpu (gloo) or cuda (NCCL, one GPU per stage); auto: cuda with 2 or more GPUs")
     parser.add_argument("--stages", type=int, nargs="+", choices=[2, 4, 8],
                         help="pipeline stage counts (default 2, and 4 where the machine has 4 cores or GPUs)")
+    parser.add_argument("--replicas", type=int, nargs="+",
+                        help="data-parallel replicas of each pipeline (default 1, and 2 where the machine has a core "
+                             "or GPU for every process of 2 replicas of the smallest pipeline)")
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per run (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the statistics (default 3)")
     parser.add_argument("--monitor-steps", type=int, default=8, help="steps of the PipelineMonitor run (default 8)")
@@ -707,13 +750,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     capacity = gpus if args.device == "cuda" else os.cpu_count() or 1
     if args.stages is None:
         args.stages = [2, 4] if capacity >= 4 else [2]
-    if args.device == "cuda" and max(args.stages) > gpus:
-        fitting = " ".join(str(p) for p in args.stages if p <= gpus)
-        parser.error(f"--stages {max(args.stages)} on --device cuda needs one GPU per stage, but {gpus} are visible; "
+    if args.replicas is None:
+        args.replicas = [1, 2] if capacity >= 2 * min(args.stages) else [1]
+    widest = max(args.stages) * max(args.replicas)
+    if args.device == "cuda" and widest > gpus:
+        fitting = " ".join(str(p) for p in args.stages if p * max(args.replicas) <= gpus)
+        parser.error(f"--stages {max(args.stages)} x --replicas {max(args.replicas)} on --device cuda needs one GPU "
+                     f"per process, but {gpus} are visible; "
                      f"{f'pass --stages {fitting} or ' if fitting else ''}use --device cpu")
-    if args.device == "cpu" and max(args.stages) > capacity:
-        print(f"warning: {max(args.stages)} stages on {capacity} cores: the processes share cores, so that row "
-              f"measures oversubscription rather than the pipeline", file=sys.stderr)
+    if args.device == "cpu" and widest > capacity:
+        print(f"warning: {widest} processes (stages x replicas) on {capacity} cores: the processes share cores, so "
+              f"that row measures oversubscription rather than the pipeline", file=sys.stderr)
     skipped = [kind for kind in args.runners if args.device == "cuda" and kind in CPU_ONLY_RUNNERS]
     if skipped:
         print(f"note: {', '.join(skipped)} measured on CPU only; left out on cuda", file=sys.stderr)
@@ -732,25 +779,28 @@ def main(argv: list[str] | None = None) -> None:
         print(f"warning: 1-minute load average is {load_before:.2f} before starting; other processes compete for the "
               f"{os.cpu_count()} cores and will inflate the times", file=sys.stderr)
     models = [("mlp", h) for h in args.hidden] + ([("gpt", GPT_DIM)] if args.gpt else [])
-    configs: list[Config] = [(model, h, s, p) for p in args.stages for model, h in models for s in args.schedules]
+    configs: list[Config] = [(model, h, s, p, r) for r in args.replicas for p in args.stages for model, h in models
+                             for s in args.schedules]
     common = {"device": args.device, "steps": args.steps, "warmup": args.warmup, "monitor_steps": args.monitor_steps}
     launches: list[tuple[str, int, list[Config]]] = []  # runner, processes, configurations measured in one launch
     for kind in RUNNER_LABELS:
         if kind not in args.runners:
             continue
         if kind == "single":
-            launches.append((kind, 1, [(model, h, "-", 1) for model, h in models]))
+            launches.append((kind, 1, [(model, h, "-", 1, 1) for model, h in models]))
             continue
         for p in args.stages:
-            measured = [c for c in configs if c[3] == p and not (kind.startswith("torch") and c[0] == "gpt")]
-            if measured:  # PipelineStage cannot share the GPT's tied embedding/head weight between stages
-                launches.append((kind, p, measured))
+            for r in args.replicas:
+                measured = [c for c in configs
+                            if c[3:] == (p, r) and not (kind.startswith("torch") and c[0] == "gpt")]
+                if measured:  # PipelineStage cannot share the GPT's tied embedding/head weight between stages
+                    launches.append((kind, p * r, measured))
     repeats: dict[str, dict[Config, list[PerRank]]] = {kind: {} for kind in args.runners}
     with tempfile.TemporaryDirectory(prefix="lpp_compare_") as tmp_name:
         for repeat in range(args.repeats):
             for kind, world, measured in launches:
-                runs = [{"model": model, "hidden": h, "schedule": s, "stages": p, **common}
-                        for model, h, s, p in measured]
+                runs = [{"model": model, "hidden": h, "schedule": s, "stages": p, "replicas": r, **common}
+                        for model, h, s, p, r in measured]
                 t0 = time.perf_counter()
                 print(f"[{repeat + 1}/{args.repeats}] {kind}, {world} process(es): {len(runs)} run(s) ...",
                       file=sys.stderr, flush=True)
@@ -774,7 +824,8 @@ def main(argv: list[str] | None = None) -> None:
     (args.out / "compare.md").write_text(f"Measured on {machine}.\n\n{table}\n")
     meta = {"machine": machine, "device": args.device, "steps": args.steps, "warmup": args.warmup,
             "monitor_steps": args.monitor_steps, "repeats": args.repeats, "batch": BATCH, "layers": NUM_LAYERS,
-            "stages": args.stages, "microbatches": MICROBATCHES, "memory_column": memory_column,
+            "stages": args.stages, "replicas": args.replicas, "microbatches": MICROBATCHES,
+            "memory_column": memory_column,
             "runtime_s": elapsed, "cpu_count": os.cpu_count(), "loadavg_1min_before": load_before,
             "loadavg_1min_after": os.getloadavg()[0]}
     (args.out / "compare.json").write_text(json.dumps({"meta": meta, "rows": rows}, indent=2))

@@ -114,7 +114,11 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=150)
     parser.add_argument("--schedule", default="1f1b", choices=["naive", "gpipe", "1f1b"])
     parser.add_argument("--microbatches", type=int, default=4)
-    parser.add_argument("--devices", type=int, default=2)
+    parser.add_argument("--devices", type=int, default=2, help="processes per node (default 2)")
+    parser.add_argument("--num-nodes", type=int, default=1, help="machines (torchrun or SLURM starts the processes)")
+    parser.add_argument("--pipeline-parallel-size", type=int, default=None,
+                        help="stages per pipeline; the rest of the world is data-parallel replicas (default: all)")
+    parser.add_argument("--accelerator", default="cpu", help="cpu (default), gpu or auto")
     parser.add_argument("--log-dir", default="lightning_logs")
     args = parser.parse_args()
 
@@ -123,9 +127,11 @@ def main() -> None:
     dataset = CharDataset(make_corpus(), block_size=32)
     model = GPT(vocab_size=len(dataset.chars))
     trainer = L.Trainer(
-        accelerator="cpu",
+        accelerator=args.accelerator,
         devices=args.devices,
-        strategy=PipelineParallelStrategy(schedule=args.schedule, microbatches=args.microbatches),
+        num_nodes=args.num_nodes,
+        strategy=PipelineParallelStrategy(schedule=args.schedule, microbatches=args.microbatches,
+                                          pipeline_parallel_size=args.pipeline_parallel_size),
         max_steps=args.max_steps,
         logger=TensorBoardLogger(args.log_dir, name="gpt_pipeline"),
         log_every_n_steps=10,

@@ -3,10 +3,12 @@
 from lightning_pp.errors import PipelineCommError, PipelineConfigError, PipelineScheduleError, PipelineTimeoutError
 from lightning_pp.monitor import PipelineMonitor
 from lightning_pp.strategy import PipelineParallelStrategy
+from lightning_pp.topology import PipelineLayout
 
 __all__ = [
     "PipelineCommError",
     "PipelineConfigError",
+    "PipelineLayout",
     "PipelineMonitor",
     "PipelineParallelStrategy",
     "PipelineScheduleError",

@@ -1,5 +1,6 @@
 """The private Lightning and torch APIs lightning_pp relies on, gathered in one place so an upgrade touches one file."""
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -10,6 +11,7 @@ from lightning.fabric.utilities.distributed import (
 )
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from torchmetrics.utilities.distributed import gather_all_tensors
 
 
 def _found_inf_per_device(scaler: torch.amp.GradScaler, optimizer: Any) -> dict[torch.device, torch.Tensor]:
@@ -20,6 +22,34 @@ def _found_inf_per_device(scaler: torch.amp.GradScaler, optimizer: Any) -> dict[
 def _default_store() -> Any:
     """The store of the default process group (where a failing rank leaves word for the others)."""
     return torch.distributed.distributed_c10d._get_default_store()
+
+
+def replace_metric_sync(metric: Any, sync: Callable[..., None] | None) -> None:
+    """Have ``metric`` sync its states with ``sync(dist_sync_fn, process_group)`` (``None``: torchmetrics' own)."""
+    if sync is None:
+        metric.__dict__.pop("_sync_dist", None)
+    else:
+        metric._sync_dist = sync
+
+
+def sync_metric_states(metric: Any, dist_sync_fn: Callable[..., Any] | None, group: Any) -> None:
+    """torchmetrics' own state sync (gather, then each state's reduction) over ``group``."""
+    type(metric)._sync_dist(metric, dist_sync_fn or gather_all_tensors, process_group=group)
+
+
+def metric_forward_value(metric: Any) -> Any:
+    """What the metric's latest ``forward`` returned (torchmetrics keeps it for ``self.log``)."""
+    return metric._forward_cache
+
+
+def mark_metric_updated(metric: Any, counted: bool, forward_value: torch.Tensor | None) -> None:
+    """Make ``metric`` look as the last stage's copy does after a step: updated (when ``counted``), with no stale
+    computed value, and the step's forward value."""
+    if counted:
+        metric._update_count += 1
+        metric._computed = None
+    if forward_value is not None:
+        metric._forward_cache = forward_value
 
 
 def child_names(container: torch.nn.Module) -> list[str]:
@@ -36,4 +66,8 @@ __all__ = [
     "_optimizers_to_device",
     "_sync_ddp_if_available",
     "child_names",
+    "mark_metric_updated",
+    "metric_forward_value",
+    "replace_metric_sync",
+    "sync_metric_states",
 ]

@@ -26,7 +26,9 @@ import torch.distributed as dist
 from lightning.fabric.utilities import move_data_to_device
 from torchmetrics import Metric
 
+from lightning_pp import _compat
 from lightning_pp.errors import PipelineConfigError
+from lightning_pp.topology import StageGroups
 
 _LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
 _REDUCTIONS = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min",
@@ -47,25 +49,30 @@ LogRecord = tuple[str, "float | MetricRef", dict[str, Any]]
 
 
 class _StateFromLastStage:
-    """Stands in for a metric's ``_sync_dist``: every stage takes the last stage's whole state, in one broadcast.
+    """Stands in for a metric's ``_sync_dist``: every stage takes the last stage's whole state, in one broadcast inside
+    the pipeline; with data-parallel replicas, torchmetrics' own sync then reduces those states over the stage's
+    replicas, as DDP reduces over its ranks.
 
-    The last stage's state is the pipeline's (the stages are not data-parallel replicas; the others never update), so
-    the state's own reduction (sum, cat, ...) is not applied. One broadcast per metric keeps the collectives equal on
-    every stage whatever its states are (torchmetrics' all-gather runs one per list element, which differs per stage).
+    The last stage's state is the pipeline's (the other stages never update), so the state's own reduction (sum, cat,
+    ...) is not applied within the pipeline. One broadcast per metric keeps the collectives equal on every stage
+    whatever its states are (torchmetrics' all-gather runs one per list element, which differs per stage).
     """
 
-    def __init__(self, metric: Metric, source_rank: int) -> None:
+    def __init__(self, metric: Metric, groups: StageGroups) -> None:
         self.metric = metric
-        self.source_rank = source_rank
+        self.groups = groups
 
     def __call__(self, dist_sync_fn: Any = None, process_group: Any = None) -> None:
-        mine = dist.get_rank() == self.source_rank
+        source = self.groups.last_stage_rank
+        mine = dist.get_rank() == source
         box = [move_data_to_device(self.metric.metric_state, torch.device("cpu")) if mine else None]
-        dist.broadcast_object_list(box, src=self.source_rank)
+        dist.broadcast_object_list(box, src=source, group=self.groups.pipeline)
         state = box[0]
         assert state is not None
         for name, value in state.items():
             setattr(self.metric, name, move_data_to_device(value, self.metric.device))
+        if self.groups.layout.num_replicas > 1:
+            _compat.sync_metric_states(self.metric, dist_sync_fn, self.groups.replicas)
 
 
 def _not_distributed() -> bool:
@@ -85,19 +92,20 @@ class LogRecorder:
         self._step_copies: dict[int, Metric] = {}
         self._updated: set[int] = set()
 
-    def attach(self, module: pl.LightningModule, last_stage_rank: int | None) -> None:
-        """Watch the module's metrics; with ``last_stage_rank``, sync their states from that rank (see module doc)."""
+    def attach(self, module: pl.LightningModule, groups: StageGroups | None) -> None:
+        """Watch the module's metrics; with ``groups`` (more than one stage), sync their states from the pipeline's
+        last stage (see the module's docstring)."""
         self.detach()
         self._metrics = [m for m in module.modules() if isinstance(m, Metric)]
-        if last_stage_rank is None:
+        if groups is None:
             return
         for metric in self._metrics:
-            metric._sync_dist = _StateFromLastStage(metric, last_stage_rank)  # type: ignore[method-assign]
+            _compat.replace_metric_sync(metric, _StateFromLastStage(metric, groups))
 
     def detach(self) -> None:
         """Undo :meth:`attach`."""
         for metric in self._metrics:
-            metric.__dict__.pop("_sync_dist", None)
+            _compat.replace_metric_sync(metric, None)
         self._metrics = []
         self._step_copies.clear()
         self._updated.clear()
@@ -108,7 +116,7 @@ class LogRecorder:
             copy = metric.clone()
             for part in copy.modules():  # nested metrics (compositions, wrappers) too
                 if isinstance(part, Metric):
-                    part.__dict__.pop("_sync_dist", None)
+                    _compat.replace_metric_sync(part, None)
                     part.distributed_available_fn = _not_distributed  # the step's value is this stage's alone
             copy.reset()
             self._step_copies[id(metric)] = copy
@@ -150,7 +158,7 @@ class LogRecorder:
                         f"self.log({name!r}, <{type(value).__name__}>): the metric must be an attribute of the "
                         f"LightningModule so that every pipeline stage can replay it; assign it in __init__."
                     )
-                cache = value._forward_cache
+                cache = _compat.metric_forward_value(value)
                 forward_value = float(cache) if isinstance(cache, torch.Tensor) and cache.numel() == 1 else None
                 self._calls.append((microbatch, name, MetricRef(attribute, forward_value), options))
                 self._logged_metrics[attribute] = value
@@ -223,11 +231,9 @@ def replay(module: pl.LightningModule, records: list[LogRecord], updated_here: b
         if isinstance(value, MetricRef):
             metric = module.get_submodule(value.attribute)
             assert isinstance(metric, Metric)
-            if not updated_here:
-                metric._update_count += 1
-                metric._computed = None
-            if value.forward_value is not None:
-                metric._forward_cache = torch.tensor(value.forward_value, device=module.device)  # type: ignore[assignment]
+            forward_value = (torch.tensor(value.forward_value, device=module.device)
+                             if value.forward_value is not None else None)
+            _compat.mark_metric_updated(metric, counted=not updated_here, forward_value=forward_value)
             module.log(name, metric, **options)
         else:
             module.log(name, torch.tensor(value, dtype=torch.get_default_dtype(), device=module.device), **options)

@@ -1,8 +1,10 @@
-"""Gradients across stages: weights held by every stage, the global clipping norm and the fp16 inf/NaN verdict."""
+"""Gradients across ranks: the replicas' average, weights held by every stage, the global clipping norm and the fp16
+inf/NaN verdict."""
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -10,8 +12,9 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_pp import _compat
+from lightning_pp.topology import StageGroups
 
-__all__ = ["PipelineGradients", "broadcast_from_rank_zero"]
+__all__ = ["PipelineGradients", "broadcast_tensors"]
 
 
 def _coalesced(tensors: Iterable[Tensor]) -> dict[torch.dtype, list[Tensor]]:
@@ -33,65 +36,110 @@ def _through_one_collective(tensors: list[Tensor], collective: Callable[[Tensor]
     return pieces
 
 
-def broadcast_from_rank_zero(tensors: Iterable[Tensor], device: torch.device) -> None:
-    """Give every rank rank 0's values of ``tensors`` (the weights and buffers every stage holds), as DDP does at start:
-    ranks seeded differently would otherwise each train their own copy. One broadcast per dtype."""
+def broadcast_tensors(tensors: Iterable[Tensor], src: int, group: Any, device: torch.device) -> None:
+    """Give every rank of ``group`` rank ``src``'s values of ``tensors``, as DDP does at start: ranks seeded
+    differently would otherwise each train their own copy. One broadcast per dtype."""
     with torch.no_grad():
-        for group in _coalesced(t for t in tensors if t.numel() > 0).values():
-            for t, value in zip(group, _through_one_collective(group, lambda flat: dist.broadcast(flat, src=0), device),
-                                strict=True):
+        for same_dtype in _coalesced(t for t in tensors if t.numel() > 0).values():
+            values = _through_one_collective(same_dtype, lambda flat: dist.broadcast(flat, src=src, group=group),
+                                             device)
+            for t, value in zip(same_dtype, values, strict=True):
                 t.copy_(value)
 
 
 class PipelineGradients:
-    """What the optimizer step needs beyond one stage: ``shared`` are the parameters every stage holds (outside the
-    blocks), whose gradients are summed over the pipeline; the others belong to one stage's blocks."""
+    """What the optimizer step needs beyond one rank.
 
-    def __init__(self, shared: list[nn.Parameter], stage: int, num_stages: int, device: torch.device) -> None:
+    ``shared`` are the parameters every stage holds (outside the blocks): their gradients are summed over the pipeline
+    (a weight tied between the first and the last stage gets both parts) and averaged over the replicas. The stage's
+    own parameters (its blocks) are averaged over the replicas of the stage, as DDP averages. Both in buckets of at
+    most ``bucket_bytes``, each all-reduced while the next is being packed.
+    """
+
+    def __init__(self, shared: list[nn.Parameter], groups: StageGroups, device: torch.device,
+                 bucket_bytes: int = 25 * 2**20) -> None:
         self.shared = shared
-        self.stage = stage
-        self.num_stages = num_stages
+        self.groups = groups
         self.device = device
+        self.bucket_bytes = bucket_bytes
 
-    def sum_shared(self) -> None:
-        """Sum the gradients of the shared parameters over all stages (one collective per dtype).
+    def synchronize(self, params: Iterable[nn.Parameter]) -> None:
+        """Once per optimizer step, after the last backward: make every gradient the one the optimizer should apply.
 
-        Which of them have gradients is decided each step from ``grad`` (so weights frozen or unfrozen during training,
-        as ``BackboneFinetuning`` does, are followed), and agreed on by every stage.
+        Which parameters take part is decided from ``grad`` every step (so weights frozen or unfrozen during
+        training, as ``BackboneFinetuning`` does, are followed) and agreed on by every rank of the collective: a
+        parameter whose gradient exists on one rank only gets zeros elsewhere.
         """
-        if self.num_stages == 1 or not self.shared:
+        layout = self.groups.layout
+        replicas = layout.num_replicas
+        if layout.world_size == 1:
             return
-        has_grad = torch.tensor([p.grad is not None for p in self.shared], dtype=torch.int32, device=self.device)
-        dist.all_reduce(has_grad)
-        used = [p for p, n in zip(self.shared, has_grad.tolist(), strict=True) if n > 0]
-        for group in _coalesced(used).values():
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in group]
-            for p, summed in zip(group, _through_one_collective(grads, dist.all_reduce, self.device), strict=True):
-                p.grad = summed.clone()
+        shared_ids = {id(p) for p in self.shared}
+        if self.shared:
+            self._all_reduce(self._used(self.shared, None), None, replicas)
+        if replicas > 1:  # every replica of this stage holds the same parameters, in the same order
+            own = [p for p in params if id(p) not in shared_ids]
+            self._all_reduce(self._used(own, self.groups.replicas), self.groups.replicas, replicas)
+
+    def _used(self, params: list[nn.Parameter], group: Any) -> list[nn.Parameter]:
+        """The parameters with a gradient on at least one rank of ``group``."""
+        has_grad = torch.tensor([p.grad is not None for p in params], dtype=torch.int32, device=self.device)
+        dist.all_reduce(has_grad, group=group)
+        return [p for p, n in zip(params, has_grad.tolist(), strict=True) if n > 0]
+
+    def _all_reduce(self, params: list[nn.Parameter], group: Any, replicas: int) -> None:
+        """Sum ``params``' gradients over ``group``, each divided by ``replicas`` first (as DDP does)."""
+        pending = []
+        for bucket in self._buckets(params):
+            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
+            flat = torch.cat([g.detach().reshape(-1) for g in grads])
+            if replicas > 1:
+                flat.div_(replicas)
+            pending.append((bucket, flat, dist.all_reduce(flat, group=group, async_op=True)))
+        for bucket, flat, work in pending:
+            work.wait()
+            offset = 0
+            for p in bucket:
+                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
+                offset += p.numel()
+
+    def _buckets(self, params: list[nn.Parameter]) -> Iterator[list[Tensor]]:
+        for same_dtype in _coalesced(params).values():
+            bucket: list[Tensor] = []
+            size = 0
+            for p in same_dtype:
+                if bucket and size + p.numel() * p.element_size() > self.bucket_bytes:
+                    yield bucket
+                    bucket, size = [], 0
+                bucket.append(p)
+                size += p.numel() * p.element_size()
+            if bucket:
+                yield bucket
 
     def clip_by_global_norm(self, params: Iterable[nn.Parameter], clip_val: float) -> None:
-        """``clip_grad_norm_`` over the whole pipeline: squared norms summed over stages, each weight counted once."""
+        """``clip_grad_norm_`` over the whole pipeline: squared norms summed over stages, each weight counted once
+        (after :meth:`synchronize`, so replicas agree)."""
         shared = {id(p) for p in self.shared}
         grads = [(p, p.grad) for p in params if p.grad is not None]
         squared = torch.zeros((), dtype=torch.float64, device=self.device)
         for p, grad in grads:
-            if id(p) not in shared or self.stage == 0:
+            if id(p) not in shared or self.groups.stage == 0:
                 squared += torch.linalg.vector_norm(grad.detach(), dtype=torch.float64) ** 2
-        if self.num_stages > 1:
-            dist.all_reduce(squared)
+        if self.groups.layout.num_stages > 1:  # replicas hold the same gradients: the norm of one pipeline
+            dist.all_reduce(squared, group=self.groups.pipeline)
         scale = torch.clamp(clip_val / (squared.sqrt() + 1e-6), max=1.0)
         for _, grad in grads:
             grad.mul_(scale.to(grad.dtype))
 
     def unscale_agreeing(self, scaler: torch.amp.GradScaler, unscale: Callable[[Optimizer], None],
                          optimizer: Optimizer) -> None:
-        """Unscale, then make the inf/NaN verdict the same on every stage (the max over the pipeline)."""
+        """Unscale, then make the inf/NaN verdict the same on every rank (the max over the world)."""
         unscale(optimizer)
         found = _compat._found_inf_per_device(scaler, optimizer)
         verdict = torch.zeros((), dtype=torch.float32, device=self.device)
         for value in found.values():
             verdict = torch.maximum(verdict, value.to(self.device).reshape(()))
-        if self.num_stages > 1:
+        if self.groups.layout.world_size > 1:
             dist.all_reduce(verdict, op=dist.ReduceOp.MAX)
         if not found:
             found[self.device] = verdict

@@ -67,7 +67,8 @@ class PipelineMonitor(pl.Callback):
     Every ``timeline_every_n_steps`` steps it also logs the image ``pipeline/timeline`` (measured and predicted
     timelines, stages x time; when the logger can take images) and, with ``trace_dir``, writes a Chrome-trace file
     ``pipeline_step{N}.json`` (one track per stage; open it in ui.perfetto.dev) and ``pipeline_step{N}.png``.
-    Without a logger, a per-stage summary table is printed at the end of ``fit``.
+    Without a logger, a per-stage summary table is printed at the end of ``fit``. With data-parallel replicas, the
+    pipeline of replica 0 is measured (the others run the same schedule on other samples).
 
     Stage clocks are aligned once at the start of training after a barrier (offsets of a few tens of microseconds).
     On CPU each action is timed with ``time.perf_counter``; on CUDA with events on the current stream, so the times
@@ -158,7 +159,8 @@ class PipelineMonitor(pl.Callback):
             return
         events, self._events = self._events, None
         step = trainer.global_step - 1  # the step that was just taken
-        rows = [(e.stage, str(e.action), e.category, e.start, e.end) for e in events]
+        # the pipeline of replica 0 (the others run the same schedule on other samples)
+        rows = [(e.stage, str(e.action), e.category, e.start, e.end) for e in events] if strategy.replica == 0 else []
         gathered: list[Any] = [rows]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             gathered = [None] * dist.get_world_size() if trainer.is_global_zero else []

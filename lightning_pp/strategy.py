@@ -7,7 +7,8 @@ import os
 import signal
 import time
 import weakref
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Generator, Mapping, Sequence
+from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -34,12 +35,13 @@ from lightning_pp._failures import FailureSignal
 from lightning_pp._logs import LogRecorder
 from lightning_pp.checkpoint import NAMES_KEY, indexed_to_named, load_named, merge_named, named_state, named_to_indexed
 from lightning_pp.errors import PipelineConfigError
-from lightning_pp.grads import PipelineGradients, broadcast_from_rank_zero
+from lightning_pp.grads import PipelineGradients, broadcast_tensors
 from lightning_pp.model.split import Partition, split_module
 from lightning_pp.model.step import StepDriver
 from lightning_pp.p2p import StageP2P
 from lightning_pp.schedules import SCHEDULES, Schedule, build_schedule
 from lightning_pp.simulate import TimelineEvent
+from lightning_pp.topology import PipelineLayout, StageGroups, create_groups
 
 __all__ = ["PipelineParallelStrategy"]
 
@@ -75,7 +77,8 @@ def _seconds(value: Any) -> float | None:
 
 
 class PipelineParallelStrategy(ParallelStrategy):
-    """Train a LightningModule pipeline-parallel: its container of repeated blocks is split into one stage per device.
+    """Train a LightningModule pipeline-parallel: its container of repeated blocks is split into stages, one per device,
+    and the world holds one pipeline or several data-parallel replicas of it.
 
     The container (an ``nn.Sequential``, ``nn.ModuleList`` or ``nn.ModuleDict``: transformer layers, MLP blocks) is
     found automatically or named with ``blocks``. Each stage keeps a contiguous run of blocks; everything outside the
@@ -91,14 +94,23 @@ class PipelineParallelStrategy(ParallelStrategy):
     run the micro-batches through the blocks with the forward-only schedule, then the user's step once on the whole
     batch on the last stage, so logged values and predictions equal one device's.
 
+    With ``pipeline_parallel_size=P`` each pipeline has ``P`` stages and the world (``devices x num_nodes``) holds
+    ``world / P`` data-parallel replicas of it: each replica loads its own shard of the data, and every stage's
+    gradients are averaged over its replicas once per optimizer step, as DDP does. Replicas of a stage sit on
+    neighbouring ranks (``rank = stage * replicas + replica``; see :class:`~lightning_pp.PipelineLayout` and
+    :attr:`layout`), so gradient all-reduces stay inside a node and only point-to-point transfers cross nodes.
+
     Args:
         schedule: ``"naive"`` (one micro-batch at a time), ``"gpipe"`` (all forwards, then all backwards) or
             ``"1f1b"`` (one forward one backward; activation memory bounded by the number of stages).
+        pipeline_parallel_size: Stages per pipeline; the world size must be a multiple of it. ``None``: the world
+            size (one pipeline, no data parallelism).
         microbatches: Micro-batches per batch; ``None`` means twice the number of stages. A batch with fewer samples
             is split into one micro-batch per sample.
         blocks: Dotted path of the block container to split (``"model.transformer.h"``); by default the container of
             repeated blocks holding the most parameters. ``sequential`` is the same argument under its former name.
-        balance: Blocks per stage, summing to the container's length; by default an even split.
+        balance: Blocks per stage (one entry per stage of a pipeline), summing to the container's length; by default
+            an even split.
         timeout: Seconds a stage waits for a peer's transfer before raising
             :class:`~lightning_pp.PipelineTimeoutError` naming the stage, the action and the peer; a rank still alive
             this long (plus 5 s) after another rank of the job failed ends itself.
@@ -119,8 +131,9 @@ class PipelineParallelStrategy(ParallelStrategy):
             gradients.
 
     Raises:
-        PipelineConfigError: for an argument of the wrong type or value, a ``balance`` that does not fit the
-            container or the world size, a module without a block container, or manual optimization.
+        PipelineConfigError: for an argument of the wrong type or value, a world size that is not a multiple of
+            ``pipeline_parallel_size``, a ``balance`` that does not fit the container or the number of stages, a
+            module without a block container, or manual optimization.
 
     Example::
 
@@ -134,6 +147,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         self,
         *,
         schedule: str = "1f1b",
+        pipeline_parallel_size: int | None = None,
         microbatches: int | None = None,
         blocks: str | None = None,
         sequential: str | None = None,
@@ -159,6 +173,10 @@ class PipelineParallelStrategy(ParallelStrategy):
         )
         _check(isinstance(schedule, str) and schedule in SCHEDULES,
                f"Unknown schedule {schedule!r}. Valid schedules: {', '.join(sorted(SCHEDULES))}.")
+        _check(pipeline_parallel_size is None or (_is_int(pipeline_parallel_size) and pipeline_parallel_size >= 1),
+               f"pipeline_parallel_size={pipeline_parallel_size!r} ({type(pipeline_parallel_size).__name__}): pass "
+               f"the number of stages per pipeline as a positive integer (the world size must be a multiple of it), "
+               f"or None for one pipeline over the whole world.")
         _check(microbatches is None or (_is_int(microbatches) and microbatches >= 1),
                f"microbatches={microbatches!r} ({type(microbatches).__name__}): pass a positive integer (at least 1 "
                f"micro-batch per batch), or None for twice the number of stages.")
@@ -194,6 +212,7 @@ class PipelineParallelStrategy(ParallelStrategy):
                f"reuse_cpu_memory={reuse_cpu_memory!r} ({type(reuse_cpu_memory).__name__}) must be True or False.")
         self.checkpoint_format = checkpoint_format
         self.schedule_name = schedule
+        self._pipeline_parallel_size = pipeline_parallel_size
         self._microbatches = microbatches
         self._blocks_name = blocks if blocks is not None else sequential
         self._balance = list(balance) if balance is not None else None
@@ -208,6 +227,8 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._driver: StepDriver | None = None
         self._grads: PipelineGradients | None = None
         self._p2p: StageP2P | None = None
+        self._groups: StageGroups | None = None
+        self._accumulating = False  # inside Lightning's block_backward_sync: gradients not synchronized yet
         self._failures: FailureSignal | None = None
         self._schedules: dict[tuple[int, bool], Schedule] = {}
         self._log_recorder = LogRecorder()
@@ -236,12 +257,30 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     @property
     def num_stages(self) -> int:
-        """One stage per process in the job."""
-        return self.num_nodes * self.num_processes
+        """Stages per pipeline: ``pipeline_parallel_size``, or by default one per process in the job."""
+        return self._pipeline_parallel_size or max(1, self._world)
+
+    @property
+    def num_replicas(self) -> int:
+        """Data-parallel replicas of the pipeline."""
+        return max(1, self._world // self.num_stages)
+
+    @property
+    def layout(self) -> PipelineLayout:
+        """Which global rank holds which stage of which replica."""
+        return PipelineLayout(self.num_stages, self.num_replicas)
 
     @property
     def stage(self) -> int:
-        return self.global_rank
+        return self.layout.stage_of(self.global_rank)
+
+    @property
+    def replica(self) -> int:
+        return self.layout.replica_of(self.global_rank)
+
+    @property
+    def _world(self) -> int:
+        return self.num_nodes * self.num_processes
 
     @property
     def microbatches(self) -> int:
@@ -257,36 +296,44 @@ class PipelineParallelStrategy(ParallelStrategy):
         # With one data-parallel replica there is nothing to shard or to sync: saying "not distributed" keeps the
         # user's DataLoader as it is (Lightning would inject an always-shuffling DistributedSampler) and makes
         # `sync_dist` a no-op, both exactly as on one device. Stages agree on shuffled batches because every step
-        # leaves the CPU random generator as it found it (see StepRandomness).
-        return False
+        # leaves the CPU random generator as it found it (see StepRandomness). With replicas, as DDP.
+        return self.num_replicas > 1
 
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # every stage of the one pipeline loads the same samples: a single data-parallel replica
-        return {"num_replicas": 1, "rank": 0}
+        # every stage of a pipeline loads the same samples: shard over the replicas only
+        return {"num_replicas": self.num_replicas, "rank": self.replica}
 
-    def _check_balance_fits_world(self) -> None:
-        _check(self._balance is None or len(self._balance) == self.num_stages,
-               f"balance={self._balance} describes {len(self._balance or [])} stages but the Trainer runs "
-               f"{self.num_stages} processes (one stage each). Use Trainer(devices={len(self._balance or [])}) or "
-               f"give {self.num_stages} block counts.")
+    def _check_layout(self) -> None:
+        """Errors every rank raises alike before any collective (the world size is known from here on)."""
+        world, stages = self._world, self.num_stages
+        divisor = max(d for d in range(1, stages + 1) if world % d == 0)
+        _check(world % stages == 0,
+               f"pipeline_parallel_size={stages} does not divide the world of {world} processes (devices x num_nodes "
+               f"= {self.num_processes} x {self.num_nodes}): each data-parallel replica needs a whole pipeline. Use "
+               f"a divisor of {world}, e.g. pipeline_parallel_size={divisor}, or change devices/num_nodes.")
+        where = ("pipeline_parallel_size" if self._pipeline_parallel_size is not None
+                 else "one per process: Trainer(devices=..., num_nodes=...)")
+        _check(self._balance is None or len(self._balance) == stages,
+               f"balance={self._balance} describes {len(self._balance or [])} stages but each pipeline has {stages} "
+               f"({where}). Give {stages} block counts, or make the pipeline {len(self._balance or [])} stages long.")
 
     @override
     def _configure_launcher(self) -> None:
-        self._check_balance_fits_world()  # in the launching process, before any worker starts
+        self._check_layout()  # in the launching process, before any worker starts
         assert self.cluster_environment is not None
         self._launcher = _compat._SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
 
     @override
     def setup_environment(self) -> None:
-        self._check_balance_fits_world()  # again before the process group exists (torchrun starts every rank itself)
+        self._check_layout()  # again before the process group exists (torchrun starts every rank itself)
         super().setup_environment()
         if self._reuse_cpu_memory and self.root_device.type == "cpu":
             keep_freed_cpu_memory()
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_stages)
+            self.cluster_environment.set_world_size(self._world)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         backend = self._process_group_backend or _compat._get_default_process_group_backend_for_device(
             self.root_device
@@ -299,7 +346,7 @@ class PipelineParallelStrategy(ParallelStrategy):
             atexit.register(_destroy_gloo_process_group)
         global _fits_started
         _fits_started += 1
-        if self.num_stages > 1:
+        if self._world > 1:
             self._failures = FailureSignal(_compat._default_store(), _fits_started, self.global_rank,
                                            grace=self.timeout + 5)
 
@@ -320,10 +367,18 @@ class PipelineParallelStrategy(ParallelStrategy):
         assert self.model is not None
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
+        groups = self._groups = create_groups(self.layout, self.global_rank, self._new_group)
+        if self.is_global_zero and self.num_replicas > 1:
+            print(f"lightning_pp: {self.layout}")
         shared, shared_buffers = partition.shared_tensors(module)
-        if self.num_stages > 1:
-            broadcast_from_rank_zero([*shared, *shared_buffers], self.root_device)
-        self._grads = PipelineGradients(shared, self.stage, self.num_stages, self.root_device)
+        if self._world > 1:
+            # as DDP starts: rank 0's weights outside the blocks everywhere, and replica 0's blocks in every replica
+            broadcast_tensors([*shared, *shared_buffers], 0, None, self.root_device)
+        if self.num_replicas > 1:
+            everywhere = {id(t) for t in (*shared, *shared_buffers)}
+            own = [t for t in (*module.parameters(), *module.buffers()) if id(t) not in everywhere]
+            broadcast_tensors(own, self.layout.rank(self.stage, 0), groups.replicas, self.root_device)
+        self._grads = PipelineGradients(shared, groups, self.root_device)
         if trainer.state.fn == TrainerFn.FITTING:
             self._setup_optimizers_on_every_stage(trainer)
         self.setup_precision_plugin()
@@ -340,13 +395,12 @@ class PipelineParallelStrategy(ParallelStrategy):
             _AGREEING_SCALERS.add(scaler)
         if trainer.state.fn == TrainerFn.FITTING:
             _compat._optimizers_to_device(self.optimizers, self.root_device)
-        self._log_recorder.attach(module, last_stage_rank=self.num_stages - 1 if self.num_stages > 1 else None)
+        pipeline_groups = groups if self.num_stages > 1 else None
+        self._log_recorder.attach(module, pipeline_groups)
         if self.num_stages > 1:
-            # one group for activations, one for gradients (see StageP2P); new_group is collective: every rank calls it
-            groups = (self._new_group(), self._new_group())
-            self._p2p = StageP2P(self.stage, list(range(self.num_stages)), self.root_device, self.timeout, groups)
+            self._p2p = StageP2P(self.stage, groups.pipeline_ranks, self.root_device, self.timeout, groups.p2p)
         self._driver = StepDriver(module, partition.view, self._p2p, self._log_recorder, self.root_device,
-                                  self._schedule, self.microbatches, self._microbatch_weight)
+                                  self._schedule, self.microbatches, self._microbatch_weight, pipeline_groups)
 
     def _setup_optimizers_on_every_stage(self, trainer: pl.Trainer) -> None:
         """``configure_optimizers`` sees only this stage's parameters, so it may fail on some stages alone (an empty
@@ -355,10 +409,10 @@ class PipelineParallelStrategy(ParallelStrategy):
         try:
             self.setup_optimizers(trainer)
         except Exception as caught:
-            if self.num_stages == 1:
+            if self._world == 1:
                 raise
             error = caught
-        if self.num_stages == 1:
+        if self._world == 1:
             return
         assert self._partition is not None and self.lightning_module is not None
         view = self._partition.view
@@ -369,9 +423,9 @@ class PipelineParallelStrategy(ParallelStrategy):
             report = (f"stage {self.stage} ({type(error).__name__}: {error}; it holds blocks "
                       f"{view.local.start}-{view.local.stop - 1} of `{view.container_name}` and {total} parameters, "
                       f"{trainable} trainable, counting those outside the blocks)")
-        reports: list[str | None] = [None] * self.num_stages
+        reports: list[str | None] = [None] * self._world
         dist.all_gather_object(reports, report)
-        failed = [r for r in reports if r is not None]
+        failed = list(dict.fromkeys(r for r in reports if r is not None))  # replicas of a stage fail alike
         if failed:
             raise PipelineConfigError(
                 f"configure_optimizers failed on {len(failed)} pipeline stage(s): {'; '.join(failed)}. Each stage's "
@@ -402,15 +456,53 @@ class PipelineParallelStrategy(ParallelStrategy):
     def reduce(
         self, tensor: Tensor | Any, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
     ) -> Tensor | Any:
-        if isinstance(tensor, Tensor):
-            return _compat._sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        """Reduce over the data-parallel replicas (``group`` None), as DDP reduces over its ranks: ``self.log(...,
+        sync_dist=True)`` and torchmetrics see one value per replica. Every stage of a pipeline holds its replica's
+        value (the last stage's, replayed), so each stage reduces within its own replica group."""
+        if not isinstance(tensor, Tensor):
+            return tensor
+        if group is None:
+            if self.num_replicas == 1:
+                return tensor
+            assert self._groups is not None
+            group = self._groups.replicas
+        return _compat._sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+
+    @override
+    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
+        """Gather over the data-parallel replicas (``group`` None): one entry per replica, as DDP gives one per rank;
+        with one replica the tensor itself, as on one device."""
+        if group is None:
+            if self.num_replicas == 1:
+                return tensor
+            assert self._groups is not None
+            group = self._groups.replicas
+        return super().all_gather(tensor, group=group, sync_grads=sync_grads)
+
+    @override
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        """Agree over every rank of the job (every stage of every replica), e.g. on stopping early."""
+        votes = torch.tensor(int(decision), device=self.root_device)
+        if self._world > 1:
+            votes = _compat._sync_ddp_if_available(votes, None, reduce_op="sum")
+        return bool(votes == self._world) if all else bool(votes)
+
+    @override
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        """Lightning's accumulation steps run in here: their gradients are synchronized with the optimizer step's."""
+        self._accumulating = True
+        try:
+            yield
+        finally:
+            self._accumulating = False
 
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Make this rank's failure end the whole job: tell the other ranks, and take down the launched ones."""
         if self._failures is not None:
-            where = f"stage {self.stage} (rank {self.global_rank})"
+            replica = f"replica {self.replica}, " if self.num_replicas > 1 else ""
+            where = f"stage {self.stage} ({replica}rank {self.global_rank})"
             self._failures.report(f"{where} failed: {type(exception).__name__}: {str(exception)[:2000]}")
             self._failures = None
             if self.global_rank == 0:
@@ -456,7 +548,6 @@ class PipelineParallelStrategy(ParallelStrategy):
             step_name, args, kwargs,
             accumulation=self.lightning_module.trainer.accumulate_grad_batches if training else 1,
             scaler=self._grad_scaler() if training else None,
-            sum_shared_grads=self._grads.sum_shared,
             timing_sink=self.timing_sink,
         )
 
@@ -477,6 +568,9 @@ class PipelineParallelStrategy(ParallelStrategy):
             else:
                 p.grad.add_(grad)
         self._driver.pending_grads = []
+        if not self._accumulating:  # the optimizer step's backward, as DDP's
+            assert self._grads is not None
+            self._grads.synchronize([p for p in module.parameters() if p.requires_grad])
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
@@ -493,11 +587,12 @@ class PipelineParallelStrategy(ParallelStrategy):
         return {id(p): n for n, p in self.lightning_module.named_parameters()}
 
     def _gather_on_zero(self, obj: Any) -> list[Any]:
-        if self.num_stages == 1:
+        """Every stage's ``obj`` of replica 0, in stage order, on global rank 0 (replicas hold the same state)."""
+        if self._world == 1:
             return [obj]
-        gathered: list[Any] | None = [None] * self.num_stages if self.is_global_zero else None
-        dist.gather_object(obj, gathered, dst=0)
-        return gathered or []
+        gathered: list[Any] | None = [None] * self._world if self.is_global_zero else None
+        dist.gather_object(obj if self.replica == 0 else None, gathered, dst=0)
+        return [gathered[self.layout.rank(stage, 0)] for stage in range(self.num_stages)] if gathered else []
 
     def _own_state(self) -> dict[str, Tensor]:
         """The state entries this stage holds alone (its layers), plus, on the last stage, everything replicated.
@@ -540,8 +635,9 @@ class PipelineParallelStrategy(ParallelStrategy):
             return
         folder = str(filepath)
         os.makedirs(folder, exist_ok=True)
-        shard = {"state_dict": self._own_state(), "optimizer_states": checkpoint.get("optimizer_states", [])}
-        torch.save(shard, os.path.join(folder, f"stage{self.stage}.pt"))
+        if self.replica == 0:  # one copy per stage
+            shard = {"state_dict": self._own_state(), "optimizer_states": checkpoint.get("optimizer_states", [])}
+            torch.save(shard, os.path.join(folder, f"stage{self.stage}.pt"))
         if self.is_global_zero:
             meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
             meta["lightning_pp"] = {"format": "sharded", "num_stages": self.num_stages}
@@ -604,20 +700,21 @@ class PipelineParallelStrategy(ParallelStrategy):
         assert self._partition is not None
         local = [[name_of[id(p)] for p in group["params"]] for group in optimizer.param_groups]
         parts: list[Any] = [local]
-        if self.num_stages > 1:
-            parts = [None] * self.num_stages
+        if self._world > 1:
+            parts = [None] * self._world
             dist.all_gather_object(parts, local)
         order = self._partition.full_param_order
         return [sorted({n for part in parts for n in part[g]}, key=lambda n: order[n]) for g in range(len(local))]
 
-    def _new_group(self) -> Any:
-        return dist.new_group(backend=self._process_group_backend, timeout=self.process_group_timeout)
+    def _new_group(self, ranks: list[int]) -> Any:
+        return dist.new_group(ranks, backend=self._process_group_backend, timeout=self.process_group_timeout)
 
     @override
     def teardown(self) -> None:
-        if self._p2p is not None and dist.is_initialized():
-            for group in self._p2p.groups:
+        if self._groups is not None and dist.is_initialized():  # the default group is Lightning's to destroy
+            for group in self._groups.created:
                 dist.destroy_process_group(group)
+        self._groups = None
         self._p2p = None
         if self._failures is not None:
             self._failures.stop()

@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_pp import PipelineConfigError, PipelineParallelStrategy
+from lightning_pp import PipelineConfigError, PipelineLayout, PipelineParallelStrategy
 from lightning_pp.microbatch import split_batch
 from lightning_pp.partition import stage_layer_ranges, uniform_balance, validate_balance
 
@@ -81,8 +81,39 @@ def test_timeouts_are_separate() -> None:
 def test_balance_for_another_world_size_fails_before_launch() -> None:
     import lightning as L
 
-    with pytest.raises(PipelineConfigError, match=r"balance=\[1, 1, 2\] describes 3 stages but the Trainer runs 2"):
+    with pytest.raises(PipelineConfigError, match=r"balance=\[1, 1, 2\] describes 3 stages but each pipeline has 2"):
         L.Trainer(strategy=PipelineParallelStrategy(balance=[1, 1, 2]), accelerator="cpu", devices=2, logger=False)
+    with pytest.raises(PipelineConfigError, match=r"balance=\[1, 3\] describes 2 stages but each pipeline has 4 "
+                                                  r"\(pipeline_parallel_size\)"):
+        L.Trainer(strategy=PipelineParallelStrategy(balance=[1, 3], pipeline_parallel_size=4), accelerator="cpu",
+                  devices=4, logger=False)
+
+
+def test_pipeline_size_must_divide_the_world_before_launch() -> None:
+    import lightning as L
+
+    with pytest.raises(PipelineConfigError, match=r"pipeline_parallel_size=3 does not divide the world of 4 processes "
+                                                  r"\(devices x num_nodes = 2 x 2\).*pipeline_parallel_size=2"):
+        L.Trainer(strategy=PipelineParallelStrategy(pipeline_parallel_size=3), accelerator="cpu", devices=2,
+                  num_nodes=2, logger=False)
+    for bad in (0, 2.0, "2", True):
+        with pytest.raises(PipelineConfigError, match="pipeline_parallel_size="):
+            PipelineParallelStrategy(pipeline_parallel_size=bad)  # type: ignore[arg-type]
+
+
+def test_layout_places_replicas_of_a_stage_on_neighbouring_ranks() -> None:
+    layout = PipelineLayout(num_stages=3, num_replicas=2)
+    assert layout.world_size == 6
+    assert [layout.stage_ranks(s) for s in range(3)] == [[0, 1], [2, 3], [4, 5]]
+    assert [layout.pipeline_ranks(r) for r in range(2)] == [[0, 2, 4], [1, 3, 5]]
+    for rank in range(6):
+        assert layout.rank(layout.stage_of(rank), layout.replica_of(rank)) == rank
+    assert str(layout).splitlines()[1:] == ["stage 0: ranks 0 1", "stage 1: ranks 2 3", "stage 2: ranks 4 5"]
+    strategy = PipelineParallelStrategy(pipeline_parallel_size=2)
+    strategy.parallel_devices = [torch.device("cpu")] * 4
+    assert (strategy.num_stages, strategy.num_replicas, strategy.layout) == (2, 2, PipelineLayout(2, 2))
+    assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0} and strategy.is_distributed
+    assert PipelineParallelStrategy().is_distributed is False  # one pipeline: the user's loader is kept
 
 
 def test_registry_alias() -> None:

@@ -31,6 +31,7 @@ from lightning_pp.p2p import StageP2P
 from lightning_pp.runtime import run_stage, step_clock
 from lightning_pp.schedules import Schedule
 from lightning_pp.simulate import TimelineEvent
+from lightning_pp.topology import StageGroups
 
 __all__ = ["StepDriver", "StepRandomness"]
 
@@ -81,7 +82,7 @@ class StepDriver:
 
     def __init__(self, module: pl.LightningModule, view: StageView, p2p: StageP2P | None, recorder: LogRecorder,
                  device: torch.device, schedule_for: Callable[[int, bool], Schedule], microbatches: int,
-                 microbatch_weight: Callable[[Any], Any] | None = None) -> None:
+                 microbatch_weight: Callable[[Any], Any] | None = None, groups: StageGroups | None = None) -> None:
         self.module = module
         self.view = view
         self.p2p = p2p
@@ -90,6 +91,7 @@ class StepDriver:
         self.schedule_for = schedule_for
         self.microbatches = microbatches
         self.microbatch_weight = microbatch_weight
+        self.groups = groups  # None with one stage
         self.stage, self.num_stages = view.stage, view.num_stages
         self.randomness = StepRandomness(self.stage, device)
         self.steps_run = 0  # pipelined steps so far (the same count on every stage): seeds their random numbers
@@ -99,8 +101,7 @@ class StepDriver:
         self._warned_small_batch = False
 
     def run(self, step_name: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, accumulation: int,
-            scaler: torch.amp.GradScaler | None, sum_shared_grads: Callable[[], None],
-            timing_sink: Callable[[list[TimelineEvent], int], None] | None) -> Any:
+            scaler: torch.amp.GradScaler | None, timing_sink: Callable[[list[TimelineEvent], int], None] | None) -> Any:
         """Run the user's ``step_name`` over micro-batches; return what it returns on one device (the same on every
         stage: the last stage's results and ``self.log`` calls are sent to every stage)."""
         module, view = self.module, self.view
@@ -166,7 +167,6 @@ class StepDriver:
         finally:
             view.on_blocks_start = None
         if training:
-            sum_shared_grads()
             self.pending_grads = [(p, p.grad) for p in params if p.grad is not None]
             for p, grad in zip(params, previous, strict=True):
                 p.grad = grad
@@ -224,8 +224,8 @@ class StepDriver:
         return size
 
     def _from_last_stage(self, payload: Any) -> Any:
-        if self.num_stages == 1:
+        if self.groups is None:
             return payload
         box = [payload]
-        dist.broadcast_object_list(box, src=self.num_stages - 1)
+        dist.broadcast_object_list(box, src=self.groups.last_stage_rank, group=self.groups.pipeline)
         return box[0]

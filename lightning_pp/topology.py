@@ -1,0 +1,116 @@
+"""Which global rank holds which pipeline stage of which data-parallel replica, and the process groups that follow."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import Any
+
+__all__ = ["PipelineLayout", "StageGroups", "create_groups"]
+
+
+@dataclass(frozen=True)
+class PipelineLayout:
+    """``num_replicas`` data-parallel copies of a pipeline of ``num_stages`` stages, one (stage, replica) per rank.
+
+    The replicas of one stage sit on neighbouring ranks and each pipeline spans the outer dimension, as in Megatron:
+    ``rank = stage * num_replicas + replica``. On nodes of ``num_replicas`` (or a multiple of it) devices, a stage's
+    gradient all-reduce stays inside a node and only the pipeline's point-to-point transfers cross nodes.
+
+    Example (4 ranks, 2 stages)::
+
+        >>> layout = PipelineLayout(num_stages=2, num_replicas=2)
+        >>> layout.pipeline_ranks(1), layout.stage_ranks(1)
+        ([1, 3], [2, 3])
+    """
+
+    num_stages: int
+    num_replicas: int
+
+    @property
+    def world_size(self) -> int:
+        return self.num_stages * self.num_replicas
+
+    def rank(self, stage: int, replica: int) -> int:
+        """The global rank holding ``stage`` of ``replica``."""
+        return stage * self.num_replicas + replica
+
+    def stage_of(self, rank: int) -> int:
+        return rank // self.num_replicas
+
+    def replica_of(self, rank: int) -> int:
+        return rank % self.num_replicas
+
+    def pipeline_ranks(self, replica: int) -> list[int]:
+        """The ranks of one pipeline, in stage order: its point-to-point transfers and per-step results."""
+        return [self.rank(stage, replica) for stage in range(self.num_stages)]
+
+    def stage_ranks(self, stage: int) -> list[int]:
+        """The ranks holding ``stage``, one per replica: the data-parallel group its gradients are averaged in."""
+        return [self.rank(stage, replica) for replica in range(self.num_replicas)]
+
+    def __str__(self) -> str:
+        width = len(str(self.world_size - 1))
+        rows = [f"stage {stage}: ranks " + " ".join(f"{r:>{width}}" for r in self.stage_ranks(stage))
+                for stage in range(self.num_stages)]
+        return (f"{self.num_replicas} replica(s) x {self.num_stages} stage(s); column = replica\n" + "\n".join(rows))
+
+
+@dataclass
+class StageGroups:
+    """The process groups one rank uses (``None`` means the default group of the whole world).
+
+    ``pipeline`` carries the per-step results and metric states inside one pipeline; ``p2p`` its activations and
+    gradients (two groups, see :class:`~lightning_pp.p2p.StageP2P`); ``replicas`` the stage's data-parallel gradient
+    average and metric reductions (only used with more than one replica).
+    """
+
+    layout: PipelineLayout
+    rank: int
+    pipeline: Any
+    p2p: tuple[Any, Any]
+    replicas: Any
+    created: list[Any]  # every group this rank belongs to that it must destroy
+
+    def __deepcopy__(self, memo: dict[int, Any]) -> StageGroups:
+        return self  # process groups are handles to this process's connections (a cloned metric keeps them)
+
+    @property
+    def stage(self) -> int:
+        return self.layout.stage_of(self.rank)
+
+    @property
+    def replica(self) -> int:
+        return self.layout.replica_of(self.rank)
+
+    @property
+    def pipeline_ranks(self) -> list[int]:
+        return self.layout.pipeline_ranks(self.replica)
+
+    @property
+    def last_stage_rank(self) -> int:
+        return self.pipeline_ranks[-1]
+
+
+def create_groups(layout: PipelineLayout, rank: int, new_group: Callable[[list[int]], Any]) -> StageGroups:
+    """Create every group of ``layout`` (``new_group`` is collective: every rank creates all of them, in one order) and
+    keep this rank's."""
+    mine: dict[str, Any] = {"pipeline": None, "p2p": (None, None), "replicas": None}
+    created: list[Any] = []
+    if layout.num_stages > 1:
+        for replica in range(layout.num_replicas):
+            ranks = layout.pipeline_ranks(replica)
+            groups = [new_group(ranks) for _ in range(2 if layout.num_replicas == 1 else 3)]
+            if rank in ranks:
+                created += groups
+                mine["p2p"] = (groups[0], groups[1])
+                if layout.num_replicas > 1:
+                    mine["pipeline"] = groups[2]
+    if layout.num_replicas > 1 and layout.num_stages > 1:
+        for stage in range(layout.num_stages):
+            ranks = layout.stage_ranks(stage)
+            group = new_group(ranks)
+            if rank in ranks:
+                created.append(group)
+                mine["replicas"] = group
+    return StageGroups(layout, rank, mine["pipeline"], mine["p2p"], mine["replicas"], created)
