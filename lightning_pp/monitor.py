@@ -59,6 +59,8 @@ class PipelineMonitor(pl.Callback):
     - ``pipeline/stage{s}/comm_transfer_ms``: time receiving the tensor once its header was there, and posting sends.
     - ``pipeline/stage{s}/idle_ms``: the step's wall time minus compute minus communication (framework overhead).
     - ``pipeline/stage{s}/bubble_fraction``: share of the step's wall time stage ``s`` did not compute.
+    - ``pipeline/stage{s}/grad_sync_ms``: after the schedule, averaging the stage's gradients over its data-parallel
+      replicas and summing those of weights held by every stage (the slowest replica; not part of ``step_ms``).
     - ``pipeline/bubble_fraction``: the same over all stages, the headline number.
     - ``pipeline/predicted_bubble_fraction``: the simulator's bubble for this schedule, fed with the measured costs
       of every action; ``pipeline/bubble_fraction_error`` is measured minus predicted.
@@ -158,24 +160,29 @@ class PipelineMonitor(pl.Callback):
         if self._events is None:
             return
         events, self._events = self._events, None
+        grad_sync_ms, strategy.last_grad_sync_ms = strategy.last_grad_sync_ms, None
         step = trainer.global_step - 1  # the step that was just taken
         # the pipeline of replica 0 (the others run the same schedule on other samples)
         rows = [(e.stage, str(e.action), e.category, e.start, e.end) for e in events] if strategy.replica == 0 else []
-        gathered: list[Any] = [rows]
+        mine = (strategy.stage, rows, grad_sync_ms)
+        gathered: list[Any] = [mine]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             gathered = [None] * dist.get_world_size() if trainer.is_global_zero else []
-            dist.gather_object(rows, gathered if trainer.is_global_zero else None, dst=0)
+            dist.gather_object(mine, gathered if trainer.is_global_zero else None, dst=0)
         if not trainer.is_global_zero:
             return
         timeline = Timeline(strategy.num_stages)
-        for rank, rank_rows in enumerate(gathered):
+        sync_ms: dict[int, float] = {}
+        for rank, (stage, rank_rows, rank_sync_ms) in enumerate(gathered):
             offset = self._clock_offsets[rank] if rank < len(self._clock_offsets) else 0.0
             timeline.events += [TimelineEvent(s, Action.parse(a), c, b - offset, e - offset)
                                 for s, a, c, b, e in rank_rows]
+            if rank_sync_ms is not None:  # the slowest replica of the stage
+                sync_ms[stage] = max(sync_ms.get(stage, 0.0), rank_sync_ms)
         schedule = strategy.last_schedule
         assert schedule is not None  # set by the timed training step whose events these are
         predicted = simulate(schedule, _measured_costs(timeline))
-        metrics = stage_metrics(timeline, predicted, self._samples)
+        metrics = stage_metrics(timeline, predicted, self._samples, sync_ms)
         self.history.append({"step": float(step), **metrics})
         if trainer.loggers:
             for logger in trainer.loggers:
@@ -220,7 +227,8 @@ def _measured_costs(timeline: Timeline) -> Any:
     return lambda action: costs.get(action, 0.0)
 
 
-def stage_metrics(measured: Timeline, predicted: Timeline, samples: int) -> dict[str, float]:
+def stage_metrics(measured: Timeline, predicted: Timeline, samples: int,
+                  grad_sync_ms: dict[int, float] | None = None) -> dict[str, float]:
     """The logged numbers of one measured step (see :class:`PipelineMonitor` for their meaning)."""
     wall = measured.makespan
     metrics: dict[str, float] = {}
@@ -236,6 +244,8 @@ def stage_metrics(measured: Timeline, predicted: Timeline, samples: int) -> dict
         metrics[prefix + "comm_transfer_ms"] = 1e3 * transfer
         metrics[prefix + "idle_ms"] = 1e3 * max(0.0, wall - forward - backward - wait - transfer)
         metrics[prefix + "bubble_fraction"] = measured.bubble_fraction(stage)
+        if grad_sync_ms and stage in grad_sync_ms:
+            metrics[prefix + "grad_sync_ms"] = grad_sync_ms[stage]
     metrics["pipeline/bubble_fraction"] = measured.bubble_fraction()
     metrics["pipeline/predicted_bubble_fraction"] = predicted.bubble_fraction()
     metrics["pipeline/bubble_fraction_error"] = metrics["pipeline/bubble_fraction"] - predicted.bubble_fraction()
@@ -250,14 +260,16 @@ def summary_table(history: Sequence[dict[str, float]], num_stages: int) -> str:
     def mean(key: str) -> float:
         return sum(h[key] for h in history) / len(history)
 
+    synced = all("pipeline/stage0/grad_sync_ms" in h for h in history)
     header = f"{'stage':>5} | {'forward ms':>10} | {'backward ms':>11} | {'comm wait ms':>12} | " \
-             f"{'transfer ms':>11} | {'idle ms':>8} | {'bubble':>6}"
+             f"{'transfer ms':>11} | {'idle ms':>8} | {'bubble':>6}" + (f" | {'grad sync ms':>12}" if synced else "")
     lines = [f"PipelineMonitor: mean over {len(history)} measured steps", header, "-" * len(header)]
     for stage in range(num_stages):
         p = f"pipeline/stage{stage}/"
         lines.append(f"{stage:>5} | {mean(p + 'forward_ms'):>10.2f} | {mean(p + 'backward_ms'):>11.2f} | "
                      f"{mean(p + 'comm_wait_ms'):>12.2f} | {mean(p + 'comm_transfer_ms'):>11.2f} | "
-                     f"{mean(p + 'idle_ms'):>8.2f} | {mean(p + 'bubble_fraction'):>6.3f}")
+                     f"{mean(p + 'idle_ms'):>8.2f} | {mean(p + 'bubble_fraction'):>6.3f}"
+                     + (f" | {mean(p + 'grad_sync_ms'):>12.2f}" if synced else ""))
     lines.append(f"step {mean('pipeline/step_ms'):.2f} ms, {mean('pipeline/samples_per_sec'):.1f} samples/s, "
                  f"bubble {mean('pipeline/bubble_fraction'):.3f} measured vs "
                  f"{mean('pipeline/predicted_bubble_fraction'):.3f} predicted")

@@ -61,6 +61,11 @@ def _destroy_gloo_process_group() -> None:
         dist.destroy_process_group()
 
 
+def _synchronize(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 def _check(ok: bool, message: str) -> None:
     if not ok:
         raise PipelineConfigError(message)
@@ -234,6 +239,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._log_recorder = LogRecorder()
         # set by PipelineMonitor: receives a timed step's events and sample count; None keeps the timing off
         self.timing_sink: Callable[[list[TimelineEvent], int], None] | None = None
+        self.last_grad_sync_ms: float | None = None  # gradient sync of the latest timed step (PipelineMonitor)
 
     # ------------------------------------------------------------------------------------------------ Lightning wiring
 
@@ -570,7 +576,14 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._driver.pending_grads = []
         if not self._accumulating:  # the optimizer step's backward, as DDP's
             assert self._grads is not None
+            timed = self.timing_sink is not None and self._world > 1
+            if timed:  # for PipelineMonitor: wait for the queued work first, so the clock reads the collectives alone
+                _synchronize(self.root_device)
+                started = time.perf_counter()
             self._grads.synchronize([p for p in module.parameters() if p.requires_grad])
+            if timed:
+                _synchronize(self.root_device)
+                self.last_grad_sync_ms = 1e3 * (time.perf_counter() - started)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss

@@ -12,7 +12,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from lightning_pp import PipelineConfigError, PipelineMonitor
 
-STAGE_KEYS = ["forward_ms", "backward_ms", "comm_wait_ms", "comm_transfer_ms", "idle_ms", "bubble_fraction"]
+STAGE_KEYS = ["forward_ms", "backward_ms", "comm_wait_ms", "comm_transfer_ms", "idle_ms", "bubble_fraction",
+              "grad_sync_ms"]
 PIPELINE_KEYS = ["bubble_fraction", "predicted_bubble_fraction", "bubble_fraction_error", "step_ms",
                  "samples_per_sec"]
 
@@ -64,7 +65,7 @@ def test_summary_table_without_logger() -> None:
     ranks = launch(2, [{"scenario": "monitored", "kwargs": {"model": "sleepy2", "schedule": "1f1b",
                                                              "microbatches": 2, "log_dir": None}}], timeout=200)
     assert "PipelineMonitor: mean over 3 measured steps" in ranks[0].output
-    assert "bubble" in ranks[0].output and "comm wait ms" in ranks[0].output
+    assert "bubble" in ranks[0].output and "comm wait ms" in ranks[0].output and "grad sync ms" in ranks[0].output
     assert "PipelineMonitor: mean over" not in ranks[1].output
 
 
