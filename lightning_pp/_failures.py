@@ -29,6 +29,7 @@ class FailureSignal:
         self._key = f"lightning_pp/failed/{job}"
         self._rank = rank
         self._grace = grace
+        self._message: str | None = None
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="lightning_pp-failure-watcher", daemon=True)
         self._thread.start()
@@ -42,19 +43,26 @@ class FailureSignal:
     def stop(self) -> None:
         self._stop.set()
 
+    def reported(self) -> str | None:
+        """Another rank's failure report, if there is one (kept by the watcher: the store may be gone with rank 0)."""
+        if self._message is None:
+            with contextlib.suppress(Exception):
+                if self._store.check([self._key]):
+                    self._message = self._store.get(self._key).decode(errors="replace")
+        return self._message
+
     def _watch(self) -> None:
         seen_at: float | None = None
-        message = ""
         while not self._stop.wait(_POLL_S):
             if seen_at is None:
                 try:
                     if not self._store.check([self._key]):
                         continue
-                    message = self._store.get(self._key).decode(errors="replace")
+                    self._message = self._store.get(self._key).decode(errors="replace")
                 except Exception:
                     return
                 seen_at = time.monotonic()
             elif time.monotonic() - seen_at > self._grace:
-                print(f"lightning_pp: rank {self._rank} ends: {message} (this rank had not finished {self._grace:.0f} "
-                      f"s after that failure)", file=sys.stderr, flush=True)
+                print(f"lightning_pp: rank {self._rank} ends: {self._message} (this rank had not finished "
+                      f"{self._grace:.0f} s after that failure)", file=sys.stderr, flush=True)
                 os._exit(1)

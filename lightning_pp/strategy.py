@@ -7,7 +7,7 @@ import os
 import signal
 import time
 import weakref
-from collections.abc import Callable, Generator, Mapping, Sequence
+from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
 from contextlib import contextmanager
 from datetime import timedelta
 from typing import Any
@@ -34,7 +34,7 @@ from lightning_pp._allocator import keep_freed_cpu_memory
 from lightning_pp._failures import FailureSignal
 from lightning_pp._logs import LogRecorder
 from lightning_pp.checkpoint import NAMES_KEY, indexed_to_named, load_named, merge_named, named_state, named_to_indexed
-from lightning_pp.errors import PipelineConfigError
+from lightning_pp.errors import PipelineCommError, PipelineConfigError
 from lightning_pp.grads import PipelineGradients, broadcast_tensors
 from lightning_pp.model.split import Partition, split_module
 from lightning_pp.model.step import StepDriver
@@ -503,13 +503,29 @@ class PipelineParallelStrategy(ParallelStrategy):
         finally:
             self._accumulating = False
 
+    def _where(self) -> str:
+        replica = f"replica {self.replica}, " if self.num_replicas > 1 else ""
+        return f"stage {self.stage} ({replica}rank {self.global_rank})"
+
+    @contextmanager
+    def _collective(self, what: str) -> Iterator[None]:
+        """Turn a collective's failure (gloo and NCCL name only a socket) into an error naming this rank, the
+        collective and, when one has reported, the rank that failed first."""
+        try:
+            yield
+        except PipelineCommError:
+            raise
+        except RuntimeError as error:
+            reported = self._failures.reported() if self._failures is not None else None
+            cause = (f"it follows another rank's failure: {reported}" if reported else
+                     "a peer has probably crashed: look at the other ranks' output for the first error")
+            raise PipelineCommError(f"Pipeline {self._where()} failed in {what}: {error}; {cause}.") from error
+
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Make this rank's failure end the whole job: tell the other ranks, and take down the launched ones."""
         if self._failures is not None:
-            replica = f"replica {self.replica}, " if self.num_replicas > 1 else ""
-            where = f"stage {self.stage} ({replica}rank {self.global_rank})"
-            self._failures.report(f"{where} failed: {type(exception).__name__}: {str(exception)[:2000]}")
+            self._failures.report(f"{self._where()} failed: {type(exception).__name__}: {str(exception)[:2000]}")
             self._failures = None
             if self.global_rank == 0:
                 time.sleep(1.5)  # rank 0 hosts the store: let the other ranks read the flag before this process ends
@@ -551,7 +567,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         assert self._driver is not None and self._grads is not None and self.lightning_module is not None
         training = step_name == "training_step"
         return self._driver.run(
-            step_name, args, kwargs,
+            step_name, args, kwargs, collective=self._collective,
             accumulation=self.lightning_module.trainer.accumulate_grad_batches if training else 1,
             scaler=self._grad_scaler() if training else None,
             timing_sink=self.timing_sink,
@@ -580,7 +596,8 @@ class PipelineParallelStrategy(ParallelStrategy):
             if timed:  # for PipelineMonitor: wait for the queued work first, so the clock reads the collectives alone
                 _synchronize(self.root_device)
                 started = time.perf_counter()
-            self._grads.synchronize([p for p in module.parameters() if p.requires_grad])
+            with self._collective("the gradient all-reduce (replicas' average, weights every stage holds)"):
+                self._grads.synchronize([p for p in module.parameters() if p.requires_grad])
             if timed:
                 _synchronize(self.root_device)
                 self.last_grad_sync_ms = 1e3 * (time.perf_counter() - started)

@@ -266,6 +266,31 @@ class Everyday(L.LightningModule):
         return make_data("mlp", batches=2, seed=99)
 
 
+class SyncedMetrics(Everyday):
+    """`Everyday` plus values logged with ``sync_dist=True``: a mean and a sum (per step and per epoch) and, in
+    validation, a mean and a max, which DDP all-reduces over its ranks; a data-parallel pipeline must reduce them over
+    its replicas only (the stages of one replica hold one value between them)."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> dict[str, torch.Tensor]:
+        out = super().training_step(batch, batch_idx)
+        correct = (out["preds"] == batch[1]).sum().float()
+        self.log("loss_synced", out["loss"], sync_dist=True, on_step=True, on_epoch=True)
+        self.log("correct_synced", correct, sync_dist=True, reduce_fx="sum", on_step=True, on_epoch=True)
+        return out
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:  # Everyday's, plus two synced values
+        x, y = batch
+        logits = self(x)  # once: a step may not run the blocks twice
+        loss = nn.functional.cross_entropy(logits, y)
+        self.val_auroc.update(logits, y)
+        self.val_seen.update(logits, y)
+        self.log("val_auroc", self.val_auroc)
+        self.log("val_seen", self.val_seen)
+        self.log("val_loss", loss)
+        self.log("val_loss_synced", loss, sync_dist=True)
+        self.log("val_top_synced", logits.max(), sync_dist=True, reduce_fx="max")
+
+
 class BatchNormHead(MLPClassifier):
     """A BatchNorm after the sequential: its running statistics change only where it runs (the last stage)."""
 
@@ -331,10 +356,13 @@ MODELS: dict[str, Callable[[], L.LightningModule]] = {
     "manual": ManualOptimization, "no_sequential_call": NoSequentialCall, "sequential_in_hook": SequentialInHook,
     "fails_on_rank_zero": FailsOnRankZero,
     "inf_on_one_stage": InfOnOneStage,
-    "lifecycle": Lifecycle, "everyday": Everyday, "bn_head": BatchNormHead, "parameterless_stage": ParameterlessStage,
+    "lifecycle": Lifecycle, "everyday": Everyday, "synced_metrics": SyncedMetrics, "bn_head": BatchNormHead,
+    "parameterless_stage": ParameterlessStage,
     "frozen_front": FrozenFront,
     "gpt": lambda: _example_gpt().GPT(vocab_size=len(set(_example_gpt().make_corpus(4000)))),
 }
+
+OWN_TRAIN_DATA = {"everyday", "synced_metrics"}  # models with a train_dataloader of their own
 
 
 def fp16_with_scaler() -> Any:
@@ -357,7 +385,7 @@ def fit(model_name: str, strategy: Any = "auto", devices: int = 1, max_steps: in
         **{"log_every_n_steps": 1, "enable_checkpointing": False, "enable_progress_bar": False,
            "enable_model_summary": False, "num_sanity_val_steps": 0, **trainer_kwargs},
     )  # fmt: skip
-    data = None if model_name == "everyday" else make_data(model_name, batch_size=batch_size)  # its own loader
+    data = None if model_name in OWN_TRAIN_DATA else make_data(model_name, batch_size=batch_size)
     trainer.fit(model, data, ckpt_path=ckpt_path)
     if save_to is not None:
         trainer.save_checkpoint(save_to)
@@ -539,3 +567,14 @@ class TiedClassifierSGD(L.LightningModule):
 
 MODELS["mlp_sgd"] = MLPClassifierSGD
 MODELS["tied_sgd"] = TiedClassifierSGD
+
+
+class BatchRecorder(L.Callback):
+    """Keeps the first tensor of every training batch this rank loads: which samples each rank (replica) sees."""
+
+    def __init__(self) -> None:
+        self.batches: list[torch.Tensor] = []
+
+    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                             batch_idx: int) -> None:
+        self.batches.append(batch[0].detach().cpu().clone())

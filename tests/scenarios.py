@@ -11,6 +11,10 @@ from models import fit
 from lightning_pp import PipelineParallelStrategy
 
 WORLD_SIZE = int(os.environ["WORLD_SIZE"])  # read once: Lightning's environment deletes it at teardown
+# per node: torchrun sets LOCAL_WORLD_SIZE and RANK (tests/_launch.py's launch_torchrun); `launch` runs one node
+DEVICES = int(os.environ.get("LOCAL_WORLD_SIZE", WORLD_SIZE))
+NUM_NODES = WORLD_SIZE // DEVICES
+GLOBAL_RANK = int(os.environ.get("RANK", os.environ["LOCAL_RANK"]))
 
 
 def train(model: str, max_steps: int = 4, batch_size: int = 8, trainer: dict[str, Any] | None = None,
@@ -19,37 +23,69 @@ def train(model: str, max_steps: int = 4, batch_size: int = 8, trainer: dict[str
           **strategy: Any) -> dict[str, Any]:
     """Train pipelined (each rank seeded differently with ``seed_per_rank``); return this stage's parameters and (on
     rank 0) the logged metrics."""
+    return _train(PipelineParallelStrategy(timeout=timeout, **strategy), model, max_steps, batch_size, trainer,
+                  max_epochs, ckpt_path, save_to, fp16_scaler, seed_per_rank)
+
+
+def train_ddp(model: str, max_steps: int = 4, batch_size: int = 8, trainer: dict[str, Any] | None = None,
+              max_epochs: int | None = None, ckpt_path: str | None = None,
+              save_to: str | None = None) -> dict[str, Any]:
+    """`train` with Lightning's own ``strategy="ddp"`` on every process of the job: the data-parallel reference."""
+    return _train("ddp", model, max_steps, batch_size, trainer, max_epochs, ckpt_path, save_to)
+
+
+def _train(strategy: Any, model: str, max_steps: int, batch_size: int, trainer: dict[str, Any] | None,
+           max_epochs: int | None, ckpt_path: str | None, save_to: str | None, fp16_scaler: bool = False,
+           seed_per_rank: bool = False) -> dict[str, Any]:
+    """Fit ``model`` with ``strategy`` on ``DEVICES`` processes per node and ``NUM_NODES`` nodes; trainer options
+    ``record_grads`` and ``record_batches`` add a recording callback."""
     extra = dict(trainer or {})
-    recorder = None
+    recorder = batches = None
     if extra.pop("record_grads", False):
         from models import GradientRecorder
 
         recorder = GradientRecorder()
         extra["callbacks"] = [*extra.get("callbacks", []), recorder]
+    if extra.pop("record_batches", False):
+        from models import BatchRecorder
+
+        batches = BatchRecorder()
+        extra["callbacks"] = [*extra.get("callbacks", []), batches]
     if fp16_scaler:
         from models import fp16_with_scaler
 
         extra["plugins"] = [fp16_with_scaler()]
     if max_epochs is not None:
         extra["max_epochs"] = max_epochs
-    module, logger = fit(model, PipelineParallelStrategy(timeout=timeout, **strategy),
-                         devices=WORLD_SIZE, max_steps=max_steps, batch_size=batch_size, ckpt_path=ckpt_path,
-                         save_to=save_to, seed=7 + int(os.environ["LOCAL_RANK"]) if seed_per_rank else 7, **extra)
+    if NUM_NODES > 1:
+        extra["num_nodes"] = NUM_NODES
+    module, logger = fit(model, strategy, devices=DEVICES, max_steps=max_steps, batch_size=batch_size,
+                         ckpt_path=ckpt_path, save_to=save_to, seed=7 + GLOBAL_RANK if seed_per_rank else 7, **extra)
+    used = module.trainer.strategy
     scaler = getattr(module.trainer.precision_plugin, "scaler", None)
     return {"state": {k: v.detach().clone() for k, v in module.state_dict().items()}, "history": logger.history,
             "callback_metrics": {k: float(v) for k, v in module.trainer.callback_metrics.items()},
             "scale": scaler.get_scale() if scaler is not None else None,
             "grads": recorder.grads if recorder is not None else None,
-            "batch_end_outputs": getattr(module, "batch_end_outputs", None)}
+            "batches": batches.batches if batches is not None else None,
+            "batch_end_outputs": getattr(module, "batch_end_outputs", None),
+            "global_rank": module.trainer.global_rank,
+            "environment": type(getattr(used, "cluster_environment", None)).__name__,
+            # the data-parallel layout as the strategy states it (None where it has no such attribute)
+            "layout": {name: getattr(used, name, None) for name in ("stage", "replica", "num_stages", "num_replicas")}}
 
 
-def expect_error(model: str, trainer: dict[str, Any] | None = None, **strategy: Any) -> dict[str, str]:
-    """Run a configuration that must fail; return the error instead of dying, so one job checks several."""
+def expect_error(model: str, trainer: dict[str, Any] | None = None, **strategy: Any) -> dict[str, Any]:
+    """Run a configuration that must fail; return the error instead of dying, so one job checks several. Also
+    whether a default process group exists after it (none does when the error came before any collective and no
+    earlier run of the job created one)."""
+    import torch.distributed as dist
+
     try:
         train(model, **strategy, trainer=trainer)
     except Exception as error:
-        return {"type": type(error).__name__, "message": str(error)}
-    return {"type": "none", "message": "no error raised"}
+        return {"type": type(error).__name__, "message": str(error), "process_group": dist.is_initialized()}
+    return {"type": "none", "message": "no error raised", "process_group": dist.is_initialized()}
 
 
 def die_at_step(model: str, rank_to_kill: int, step: int, **strategy: Any) -> dict[str, Any]:
@@ -187,7 +223,7 @@ def ignore_sigterm_forever(pid_dir: str) -> None:
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
     child = subprocess.Popen([sys.executable, "-c", "import signal, time; signal.signal(signal.SIGTERM, "
                               "signal.SIG_IGN); time.sleep(3600)"])
-    path = Path(pid_dir) / f"rank{os.environ['LOCAL_RANK']}.pids"
+    path = Path(pid_dir) / f"rank{GLOBAL_RANK}.pids"
     path.with_suffix(".tmp").write_text(f"{os.getpid()} {child.pid}")
     path.with_suffix(".tmp").rename(path)  # whole or absent for a reader
     while True:

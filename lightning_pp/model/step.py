@@ -13,7 +13,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager
 from typing import Any
 
 import lightning.pytorch as pl
@@ -101,7 +101,8 @@ class StepDriver:
         self._warned_small_batch = False
 
     def run(self, step_name: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, accumulation: int,
-            scaler: torch.amp.GradScaler | None, timing_sink: Callable[[list[TimelineEvent], int], None] | None) -> Any:
+            scaler: torch.amp.GradScaler | None, collective: Callable[[str], AbstractContextManager[None]],
+            timing_sink: Callable[[list[TimelineEvent], int], None] | None) -> Any:
         """Run the user's ``step_name`` over micro-batches; return what it returns on one device (the same on every
         stage: the last stage's results and ``self.log`` calls are sent to every stage)."""
         module, view = self.module, self.view
@@ -187,7 +188,8 @@ class StepDriver:
             with view.finishing(joined), self.randomness.pass_(-1), self.recorder.recording(module, 0):
                 result = move_data_to_device(user_step(batch, *rest, **kwargs), torch.device("cpu"))
             records = self.recorder.combine([total])
-        result, extra, records = self._from_last_stage((result, extra, records))
+        with collective("the broadcast of the step's results from the pipeline's last stage"):
+            result, extra, records = self._from_last_stage((result, extra, records))
         replay(module, records, updated_here=last)
         if events is not None and timing_sink is not None:
             timing_sink(events, total)

@@ -1,0 +1,365 @@
+"""Multi-process tier: data parallel x pipeline parallel equals Lightning's DDP with as many replicas (fp32, tight).
+
+The reference is plain Lightning ``strategy="ddp"`` with one process per replica, not one device: Lightning's training
+sampler (a ``DistributedSampler``, injected for DDP and for a pipeline with replicas alike) shuffles across replicas,
+so DDP fixes which samples each replica sees and in which order. DDP run twice gives identical parameters (checked),
+so one DDP run is the reference. Compared: the weights after training (SGD models, element-wise, the tolerances of
+`test_equivalence`), everything rank 0 logged, every rank's ``callback_metrics`` and batches (a pipeline rank against
+the DDP rank of its replica), and the saved checkpoints.
+
+The data: 32 samples in batches of 8, so each of 2 replicas runs 2 steps per epoch; 2 epochs are 4 optimizer steps.
+The jobs are few and shared by the tests (module-scoped fixtures): process start-up dominates on a small machine.
+"""
+
+from __future__ import annotations
+
+import re
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _launch import LaunchTimeoutError, RankResult, launch, launch_torchrun
+from models import MLPClassifierSGD, fit
+from test_equivalence import ATOL, RTOL, SCHEDULE_NAMES, assemble, assert_matches, prefixed
+
+from lightning_pp import PipelineConfigError, PipelineLayout, PipelineParallelStrategy
+
+REPLICAS, STAGES = 2, 2
+EPOCHS = 2
+METRIC_TOL = 1e-5
+MICROBATCHES = {"naive": 2, "gpipe": 3, "1f1b": 4}  # 3 does not divide a batch of 8: weighted micro-batch means
+SGD_MODELS = ("mlp_sgd", "tied_sgd")
+# a transfer times out after 5 s (as in test_failures); a rank stuck elsewhere ends 5 s later (the watcher's grace)
+FAILURE_TIMEOUT_S = 5
+
+
+def pipelined(model: str, schedule: str, **kwargs: Any) -> dict[str, Any]:
+    """A `train` run of ``EPOCHS`` epochs, pipelined into ``STAGES`` stages (the world makes the replicas)."""
+    return {"scenario": "train", "kwargs": {
+        "model": model, "max_steps": -1, "max_epochs": EPOCHS, "schedule": schedule,
+        "microbatches": MICROBATCHES[schedule], "pipeline_parallel_size": STAGES, "trainer": {"record_batches": True},
+        **kwargs}}
+
+
+def ddp(model: str, **kwargs: Any) -> dict[str, Any]:
+    """The same run under Lightning's DDP, one replica per process."""
+    return {"scenario": "train_ddp", "kwargs": {"model": model, "max_steps": -1, "max_epochs": EPOCHS,
+                                                "trainer": {"record_batches": True}, **kwargs}}
+
+
+@dataclass
+class Job:
+    """A launched job's ranks, or why it could not run (raised by every test that needs it)."""
+
+    ranks: list[RankResult] | None
+    error: BaseException | None = None
+
+    def get(self) -> list[RankResult]:
+        if self.ranks is None:
+            raise AssertionError(f"the shared job failed: {self.error!r}") from self.error
+        return self.ranks
+
+
+def run_job(world_size: int, runs: list[dict[str, Any]], timeout: float) -> Job:
+    try:
+        return Job(launch(world_size, runs, timeout=timeout))
+    except Exception as error:  # every test that needs this job fails with it, the others still run
+        return Job(None, error)
+
+
+# ----------------------------------------------------------------------------------------------------- shared jobs
+
+# the 4-rank pipelined job: (model, schedule), then the metrics module's run, then the clipped and accumulated one
+PIPELINED_RUNS = [(model, schedule) for model in SGD_MODELS for schedule in SCHEDULE_NAMES]
+METRICS_RUN, CLIPPED_RUN = len(PIPELINED_RUNS), len(PIPELINED_RUNS) + 1
+# clipped by the norm of the whole model's averaged gradients (the tied weight counted once), 2 batches per step
+CLIPPED = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm", "accumulate_grad_batches": 2}
+DDP_RUNS = {"mlp_sgd": 0, "tied_sgd": 1, "synced_metrics": 2, "clipped": 3}  # run -> index in the DDP job
+DDP_AGAIN, DDP_RESUMED = 4, 5  # mlp_sgd once more (determinism); resumed from its own checkpoint for one epoch
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("dp_checkpoints")
+
+
+@pytest.fixture(scope="module")
+def ddp_job(checkpoints: Path) -> Job:
+    """Lightning's DDP on 2 processes: the reference of every comparison, and a checkpoint plain DDP saves."""
+    runs = [ddp("mlp_sgd", save_to=str(checkpoints / "ddp.ckpt")), ddp("tied_sgd"), ddp("synced_metrics"),
+            ddp("tied_sgd", trainer={"record_batches": True, **CLIPPED}),
+            ddp("mlp_sgd"), ddp("mlp_sgd", max_epochs=EPOCHS + 1, ckpt_path=str(checkpoints / "ddp.ckpt"))]
+    assert [runs[i]["kwargs"]["model"] for i in DDP_RUNS.values()] == ["mlp_sgd", "tied_sgd", "synced_metrics",
+                                                                      "tied_sgd"]
+    return run_job(REPLICAS, runs, timeout=150)
+
+
+@pytest.fixture(scope="module")
+def pipelined_job(checkpoints: Path) -> Job:
+    """4 processes as 2 replicas x 2 stages: both SGD models on every schedule (for the MLP, 1f1b saves a full
+    checkpoint and gpipe a sharded one), the metrics module, and clipping with accumulation, in one launch."""
+    runs = []
+    for model, schedule in PIPELINED_RUNS:
+        extra: dict[str, Any] = {}
+        if (model, schedule) == ("mlp_sgd", "1f1b"):
+            extra = {"save_to": str(checkpoints / "full.ckpt")}
+        elif (model, schedule) == ("mlp_sgd", "gpipe"):
+            extra = {"save_to": str(checkpoints / "sharded"), "checkpoint_format": "sharded"}
+        runs.append(pipelined(model, schedule, **extra))
+    runs.append(pipelined("synced_metrics", "gpipe"))
+    runs.append(pipelined("tied_sgd", "1f1b", trainer={"record_batches": True, **CLIPPED}))
+    return run_job(REPLICAS * STAGES, runs, timeout=240)
+
+
+@pytest.fixture(scope="module")
+def failure_job() -> Job:
+    """4 processes: a world that is not a multiple of the pipeline's length, then a user error on global rank 0 of
+    a 2 x 2 job (its last run: the ranks end there)."""
+    runs = [{"scenario": "expect_error", "kwargs": {"model": "mlp_sgd", "pipeline_parallel_size": 3}},
+            {"scenario": "train", "kwargs": {"model": "fails_on_rank_zero", "pipeline_parallel_size": STAGES,
+                                             "schedule": "1f1b", "microbatches": 2, "timeout": FAILURE_TIMEOUT_S}}]
+    return run_job(REPLICAS * STAGES, runs, timeout=150)
+
+
+# ----------------------------------------------------------------------------------------------------- comparisons
+
+
+def ddp_reference(ranks: list[RankResult], index: int) -> dict[str, Any]:
+    """DDP rank 0's weights and logged history (every DDP rank holds the same weights: checked)."""
+    for rank in ranks:
+        assert index not in rank.errors, rank.errors[index]["traceback"]
+    state = ranks[0].results[index]["state"]
+    for rank in ranks[1:]:
+        for name, value in rank.results[index]["state"].items():
+            assert torch.equal(value, state[name]), f"DDP replicas differ in {name}"
+    return {"state": state, "history": ranks[0].results[index]["history"]}
+
+
+def assert_layout(ranks: list[RankResult], index: int, label: str, environment: str | None = None) -> None:
+    """Each rank says it holds stage ``rank // replicas`` of replica ``rank % replicas`` (the documented layout)."""
+    layout = PipelineLayout(STAGES, REPLICAS)
+    for global_rank, rank in enumerate(ranks):
+        result = rank.results[index]
+        assert result["global_rank"] == global_rank, label
+        assert result["layout"] == {"stage": layout.stage_of(global_rank), "replica": layout.replica_of(global_rank),
+                                    "num_stages": STAGES, "num_replicas": REPLICAS}, (label, global_rank)
+        if environment is not None:
+            assert result["environment"] == environment, (label, result["environment"])
+
+
+def assert_replica_batches(ranks: list[RankResult], index: int, ddp_ranks: list[RankResult], ddp_index: int,
+                           label: str) -> None:
+    """Every stage of replica r loads exactly the batches DDP's rank r loads (its shard, in its order)."""
+    for global_rank, rank in enumerate(ranks):
+        replica = PipelineLayout(STAGES, REPLICAS).replica_of(global_rank)
+        got, want = rank.results[index]["batches"], ddp_ranks[replica].results[ddp_index]["batches"]
+        assert len(want) == 2 * EPOCHS, f"DDP rank {replica} loaded {len(want)} batches"
+        assert len(got) == len(want), f"{label}: rank {global_rank} loaded {len(got)} batches, DDP {len(want)}"
+        for step, (a, b) in enumerate(zip(got, want, strict=True)):
+            assert torch.equal(a, b), f"{label}: rank {global_rank} (replica {replica}) batch {step} is not DDP's"
+
+
+def assert_same_metrics(got: dict[str, float], want: dict[str, float], label: str) -> None:
+    assert sorted(got) == sorted(want), label
+    for key, value in want.items():
+        assert got[key] == pytest.approx(value, abs=METRIC_TOL), f"{label}: {key} {got[key]} vs DDP's {value}"
+
+
+def assert_like_ddp(ranks: list[RankResult], index: int, ddp_ranks: list[RankResult], ddp_index: int, label: str,
+                    environment: str | None = None) -> None:
+    """A pipelined run against DDP: layout, batches per replica, weights (replicas bitwise equal), rank 0's log."""
+    full, history = assemble(ranks, index)  # weights held by several ranks (replicas, shared) must agree exactly
+    assert_layout(ranks, index, label, environment)
+    assert_replica_batches(ranks, index, ddp_ranks, ddp_index, label)
+    expected = ddp_reference(ddp_ranks, ddp_index)
+    assert any("train_loss" in m for _, m in expected["history"]), "DDP logged no loss: nothing to compare"
+    assert_matches(full, history, expected, label)
+
+
+# ----------------------------------------------------------------------------------------------------- tests
+
+
+def test_layout_places_replicas_of_a_stage_on_neighbouring_ranks() -> None:
+    layout = PipelineLayout(num_stages=3, num_replicas=2)
+    assert layout.world_size == 6
+    assert [layout.rank(s, r) for s in range(3) for r in range(2)] == list(range(6))
+    assert [(layout.stage_of(g), layout.replica_of(g)) for g in range(6)] == [
+        (0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
+    assert [layout.stage_ranks(s) for s in range(3)] == [[0, 1], [2, 3], [4, 5]]
+    assert [layout.pipeline_ranks(r) for r in range(2)] == [[0, 2, 4], [1, 3, 5]]
+    for bad in (0, -1, 2.0, "2", True):
+        with pytest.raises(PipelineConfigError, match=re.escape(f"pipeline_parallel_size={bad!r}")):
+            PipelineParallelStrategy(pipeline_parallel_size=bad)  # type: ignore[arg-type]
+
+
+def test_every_schedule_matches_ddp(ddp_job: Job, pipelined_job: Job) -> None:
+    """2 replicas x 2 stages, naive / gpipe / 1f1b, the MLP and the tied model (a weight on the first and the last
+    stage, summed over stages and averaged over replicas), against DDP on 2 processes."""
+    ddp_ranks, ranks = ddp_job.get(), pipelined_job.get()
+    first, again = ddp_reference(ddp_ranks, DDP_RUNS["mlp_sgd"]), ddp_reference(ddp_ranks, DDP_AGAIN)
+    for name, value in first["state"].items():  # the reference is deterministic: one run serves
+        assert torch.equal(value, again["state"][name]), f"two DDP runs differ in {name}"
+    for index, (model, schedule) in enumerate(PIPELINED_RUNS):
+        assert_like_ddp(ranks, index, ddp_ranks, DDP_RUNS[model], f"{model} {schedule} 2x2")
+
+
+def test_global_norm_clipping_and_accumulation_match_ddp(ddp_job: Job, pipelined_job: Job) -> None:
+    """Clipping by the norm of every gradient of the model once averaged over the replicas (the tied weight counted
+    once, not once per stage), with 2 batches accumulated per optimizer step (gradients averaged once per step)."""
+    assert_like_ddp(pipelined_job.get(), CLIPPED_RUN, ddp_job.get(), DDP_RUNS["clipped"], f"tied_sgd 1f1b {CLIPPED}")
+
+
+def test_synced_logging_and_torchmetrics_match_ddp(ddp_job: Job, pipelined_job: Job) -> None:
+    """``sync_dist=True`` means and sums (per step and per epoch), a max in validation, torchmetrics objects (macro
+    accuracy, a sum of metrics, AUROC, a list state) and unsynced values, with the module's own shuffling loader:
+    rank 0 logs what DDP's rank 0 logs, and each rank's ``callback_metrics`` and ``on_train_batch_end`` outputs are
+    those of the DDP rank of its replica."""
+    ddp_ranks, ranks = ddp_job.get(), pipelined_job.get()
+    ddp_index = DDP_RUNS["synced_metrics"]
+    label = "synced_metrics gpipe 2x2"
+    assert_like_ddp(ranks, METRICS_RUN, ddp_ranks, ddp_index, label)
+    history, want_history = ranks[0].results[METRICS_RUN]["history"], ddp_ranks[0].results[ddp_index]["history"]
+    logged = {k for _, m in want_history for k in m}
+    assert logged >= {"loss_synced_step", "loss_synced_epoch", "correct_synced_step", "correct_synced_epoch",
+                      "val_loss_synced", "val_top_synced", "train_acc_step", "train_acc_epoch", "val_auroc",
+                      "val_seen"}, logged
+    assert [step for step, _ in history] == [step for step, _ in want_history], label
+    for (step, got), (_, want) in zip(history, want_history, strict=True):
+        assert_same_metrics(got, want, f"{label} step {step}")
+    for global_rank, rank in enumerate(ranks):
+        replica = PipelineLayout(STAGES, REPLICAS).replica_of(global_rank)
+        got_result, want_result = rank.results[METRICS_RUN], ddp_ranks[replica].results[ddp_index]
+        where = f"{label} rank {global_rank} (replica {replica})"
+        assert_same_metrics(got_result["callback_metrics"], want_result["callback_metrics"], where)
+        got_outputs, want_outputs = got_result["batch_end_outputs"], want_result["batch_end_outputs"]
+        assert len(got_outputs) == len(want_outputs), where
+        for got, want in zip(got_outputs, want_outputs, strict=True):
+            assert got[:2] == want[:2] and torch.equal(got[2], want[2]), (where, got, want)
+
+
+def test_checkpoints_equal_ddp_and_resume_at_other_replica_counts(ddp_job: Job, pipelined_job: Job,
+                                                                  checkpoints: Path) -> None:
+    """The full checkpoint of 2 replicas x 2 stages is what DDP saves (weights, optimizer state, progress) and loads
+    in plain Lightning; the sharded one holds one file per stage, not per rank. Each is resumed for one more epoch at
+    another layout, against a reference that sees the same samples in the same order:
+
+    - the full one on 1 replica x 2 stages, against one device resuming from the same file. With one replica the
+      pipeline is promised to train as one device does, with the user's loader as it is (here unshuffled), whereas
+      DDP on one process would inject a shuffling DistributedSampler: a different order, not a fair reference;
+    - the sharded one on 2 replicas x 1 stage (``pipeline_parallel_size=1``, a different P), against DDP on 2
+      processes resuming from the checkpoint DDP itself saved at the same point (equal to ours, checked above), with
+      the same DistributedSampler.
+    """
+    ddp_ranks, _ = ddp_job.get(), pipelined_job.get()
+    full_path, sharded = checkpoints / "full.ckpt", checkpoints / "sharded"
+    ours, theirs = torch.load(full_path, weights_only=True), torch.load(checkpoints / "ddp.ckpt", weights_only=True)
+    assert sorted(ours["state_dict"]) == sorted(theirs["state_dict"])
+    for name, value in theirs["state_dict"].items():
+        torch.testing.assert_close(ours["state_dict"][name], value, rtol=RTOL, atol=ATOL,
+                                   msg=prefixed(f"full checkpoint {name}"))
+    for key in ("epoch", "global_step"):
+        assert ours[key] == theirs[key], key
+    assert_optimizer_states_match(ours["optimizer_states"], theirs["optimizer_states"])
+    loaded = MLPClassifierSGD.load_from_checkpoint(full_path, weights_only=True)
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, ours["state_dict"][name]), name
+    assert sorted(p.name for p in sharded.iterdir()) == ["checkpoint.pt"] + [f"stage{s}.pt" for s in range(STAGES)]
+
+    resume = [{"scenario": "train", "kwargs": {"model": "mlp_sgd", "max_steps": -1, "max_epochs": EPOCHS + 1,
+                                               "schedule": "1f1b", "microbatches": 2, "ckpt_path": str(full_path)}},
+              {"scenario": "train", "kwargs": {"model": "mlp_sgd", "max_steps": -1, "max_epochs": EPOCHS + 1,
+                                               "pipeline_parallel_size": 1, "checkpoint_format": "sharded",
+                                               "ckpt_path": str(sharded)}}]
+    ranks = launch(2, resume, timeout=150)
+
+    module, logger = fit("mlp_sgd", max_steps=-1, max_epochs=EPOCHS + 1, ckpt_path=str(full_path))
+    one_device = {"state": {k: v.detach().clone() for k, v in module.state_dict().items()}, "history": logger.history}
+    assert module.trainer.global_step == ours["global_step"] + 4  # one epoch of 4 batches on one replica
+    full, history = assemble(ranks, 0)
+    assert_matches(full, history, one_device, "full 2x2 checkpoint resumed on 1 replica x 2 stages")
+    assert [r.results[0]["layout"]["num_replicas"] for r in ranks] == [1, 1]
+
+    full, history = assemble(ranks, 1)
+    assert [(r.results[1]["layout"]["stage"], r.results[1]["layout"]["replica"]) for r in ranks] == [(0, 0), (0, 1)]
+    assert_matches(full, history, ddp_reference(ddp_ranks, DDP_RESUMED),
+                   "sharded 2x2 checkpoint resumed on 2 replicas x 1 stage")
+
+
+def assert_optimizer_states_match(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> None:
+    """Per optimizer: the same per-parameter state (SGD's momentum) under the same single-device numbering, the
+    same hyper-parameters per group."""
+    assert len(ours) == len(theirs)
+    for got, want in zip(ours, theirs, strict=True):
+        assert sorted(got["state"]) == sorted(want["state"])
+        for index, state in want["state"].items():
+            assert sorted(got["state"][index]) == sorted(state), index
+            for key, value in state.items():
+                torch.testing.assert_close(got["state"][index][key], value, rtol=RTOL, atol=ATOL,
+                                           msg=prefixed(f"optimizer state {index} {key}"))
+        assert got["param_groups"] == want["param_groups"]
+
+
+def test_two_nodes_under_torchrun_match_ddp(ddp_job: Job) -> None:
+    """Two "nodes" of 2 processes each, each started by its own torchrun (static rendezvous on 127.0.0.1), as
+    Trainer(devices=2, num_nodes=2) with pipeline_parallel_size=2: the replicas of a stage share a node, the pipeline
+    crosses nodes. Lightning must pick its TorchElastic environment; training equals DDP's on 2 processes."""
+    ddp_ranks = ddp_job.get()
+    ranks = launch_torchrun(2, 2, [pipelined("mlp_sgd", "1f1b")], timeout=200)
+    for rank in ranks:
+        assert rank.returncode == 0 and not rank.errors, rank.errors or rank.node_output[-3000:]
+    assert_like_ddp(ranks, 0, ddp_ranks, DDP_RUNS["mlp_sgd"], "mlp_sgd 1f1b on 2 torchrun nodes",
+                    environment="TorchElasticEnvironment")
+
+
+def test_world_not_a_multiple_of_the_pipeline_is_a_config_error_on_every_rank(failure_job: Job) -> None:
+    """4 processes, pipeline_parallel_size=3: every rank raises our error naming both numbers, before any collective
+    (the process group was never created) and so without waiting for another rank."""
+    for rank in failure_job.get():
+        error = rank.results[0]
+        assert error is not None, rank.output[-3000:]
+        assert error["type"] == "PipelineConfigError", error
+        assert "pipeline_parallel_size=3" in error["message"] and re.search(r"\b4\b", error["message"]), error
+        assert error["process_group"] is False, "the process group was created before the error"
+
+
+def test_failure_on_one_rank_ends_every_rank_of_every_replica(failure_job: Job) -> None:
+    """The user's step fails on global rank 0 (stage 0 of replica 0) at step 1. Its pipeline peer (rank 2) waits
+    for an activation and fails naming it; the ranks of replica 1, in the gradient all-reduce with replica 0, end
+    too, naming a rank that failed (not only a socket's address, as gloo does). No rank hangs."""
+    ranks = failure_job.get()
+    assert ranks[0].errors[1]["type"] == "RuntimeError", ranks[0].errors
+    assert "a bug in the user's training_step" in ranks[0].errors[1]["message"]
+    peer = ranks[2].errors.get(1)
+    assert peer is not None, ranks[2].output[-3000:]
+    assert peer["type"] in ("PipelineTimeoutError", "PipelineCommError"), peer
+    assert "peer stage 0" in peer["message"] and "rank 0)" in peer["message"], peer
+    for global_rank, rank in enumerate(ranks):
+        assert rank.returncode not in (0, None), f"rank {global_rank} ended with {rank.returncode}"
+        said = (rank.errors[1]["message"] + "\n" if 1 in rank.errors else "") + rank.output
+        named = {int(n) for n in re.findall(r"\brank (\d+)\b", said)} - {global_rank}
+        assert global_rank == 0 or named, (f"rank {global_rank} ends without naming the rank that failed (or the "
+                                           f"peer it lost):\n{said[-3000:]}")
+
+
+def test_timed_out_torchrun_job_leaves_no_process(tmp_path: Path) -> None:
+    """`launch_torchrun` keeps `launch`'s promise: the agents, the ranks they started (each in a session of its own)
+    and the ranks' children, all ignoring SIGTERM, are gone when the launch times out. A short timeout usually fires
+    once the ranks sleep; on a machine too busy for them to get there, try longer."""
+    from test_launch import _assert_all_ended, _job_pids
+
+    for timeout in (20, 60):
+        for path in tmp_path.glob("*.pids"):
+            path.unlink()
+        start = time.monotonic()
+        with pytest.raises(LaunchTimeoutError, match=f"did not finish within {timeout} s") as info:
+            launch_torchrun(2, 1, [{"scenario": "ignore_sigterm_forever", "kwargs": {"pid_dir": str(tmp_path)}}],
+                            timeout=timeout)
+        assert time.monotonic() - start < timeout + 10
+        pids = sorted({*info.value.pids, *_job_pids(tmp_path)})
+        _assert_all_ended(pids)
+        if len(_job_pids(tmp_path)) == 2 * 2:  # both ranks had started their children and were ignoring SIGTERM
+            return
+    pytest.fail("the ranks never got as far as their sleep before the launch timed out")
