@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import math
 import numbers
 import os
 import time
@@ -20,6 +21,8 @@ from lightning_pp.errors import PipelineConfigError
 from lightning_pp.schedules import Action, Schedule
 from lightning_pp.simulate import (
     BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
     COMM_TRANSFER,
     COMM_WAIT,
     COMPUTE_CATEGORIES,
@@ -32,7 +35,8 @@ from lightning_pp.strategy import PipelineParallelStrategy
 
 __all__ = ["PipelineMonitor", "draw_timelines", "to_chrome_trace"]
 
-_COLOURS = {FORWARD: "#4c72b0", BACKWARD: "#dd8452", COMM_WAIT: "#c8c8c8", COMM_TRANSFER: "#55a868"}
+_COLOURS = {FORWARD: "#4c72b0", BACKWARD: "#dd8452", BACKWARD_INPUT: "#c44e52", BACKWARD_WEIGHT: "#8172b3",
+            COMM_WAIT: "#c8c8c8", COMM_TRANSFER: "#55a868"}
 _STAGE_KEYS = ("forward_ms", "backward_ms", "comm_wait_ms", "comm_transfer_ms", "idle_ms", "bubble_fraction")
 
 
@@ -53,15 +57,19 @@ class PipelineMonitor(pl.Callback):
     other steps and costs nothing there), the timings are gathered on global rank 0 and logged through
     ``trainer.logger``:
 
-    - ``pipeline/stage{s}/forward_ms``, ``backward_ms``: compute time of stage ``s`` in the step.
+    - ``pipeline/stage{s}/forward_ms``, ``backward_ms``: compute time of stage ``s`` in the step;
+      ``backward_input_ms`` and ``backward_weight_ms`` too when its schedule splits the backward (I and W actions).
     - ``pipeline/stage{s}/comm_wait_ms``: time blocked until the peer's header arrived, and waiting at the end of
       the step for the last sends to leave.
     - ``pipeline/stage{s}/comm_transfer_ms``: time receiving the tensor once its header was there, and posting sends.
     - ``pipeline/stage{s}/idle_ms``: the step's wall time minus compute minus communication (framework overhead).
-    - ``pipeline/stage{s}/bubble_fraction``: share of the step's wall time stage ``s`` did not compute.
+    - ``pipeline/stage{s}/bubble_fraction``: share of the step's wall time stage ``s`` did not compute. This and
+      ``idle_ms`` are logged when each rank holds one stage; a rank's time is not split between its stages.
+    - ``pipeline/rank{r}/bubble_fraction``: share of the step's wall time pipeline rank ``r`` computed nothing (for
+      one stage per rank, the same as stage ``r``'s).
     - ``pipeline/stage{s}/grad_sync_ms``: after the schedule, averaging the stage's gradients over its data-parallel
       replicas and summing those of weights held by every stage (the slowest replica; not part of ``step_ms``).
-    - ``pipeline/bubble_fraction``: the same over all stages, the headline number.
+    - ``pipeline/bubble_fraction``: the same over all ranks, the headline number.
     - ``pipeline/predicted_bubble_fraction``: the simulator's bubble for this schedule, fed with the measured costs
       of every action; ``pipeline/bubble_fraction_error`` is measured minus predicted.
     - ``pipeline/step_ms`` (wall time of the pipelined step) and ``pipeline/samples_per_sec``.
@@ -163,7 +171,8 @@ class PipelineMonitor(pl.Callback):
         grad_sync_ms, strategy.last_grad_sync_ms = strategy.last_grad_sync_ms, None
         step = trainer.global_step - 1  # the step that was just taken
         # the pipeline of replica 0 (the others run the same schedule on other samples)
-        rows = [(e.stage, str(e.action), e.category, e.start, e.end) for e in events] if strategy.replica == 0 else []
+        rows = ([(e.stage, e.rank, str(e.action), e.category, e.start, e.end) for e in events]
+                if strategy.replica == 0 else [])
         mine = (strategy.stage, rows, grad_sync_ms)
         gathered: list[Any] = [mine]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -171,16 +180,16 @@ class PipelineMonitor(pl.Callback):
             dist.gather_object(mine, gathered if trainer.is_global_zero else None, dst=0)
         if not trainer.is_global_zero:
             return
-        timeline = Timeline(strategy.num_stages)
+        schedule = strategy.last_schedule
+        assert schedule is not None  # set by the timed training step whose events these are
+        timeline = Timeline(schedule.num_ranks, stage_to_rank=schedule.stage_to_rank)
         sync_ms: dict[int, float] = {}
         for rank, (stage, rank_rows, rank_sync_ms) in enumerate(gathered):
             offset = self._clock_offsets[rank] if rank < len(self._clock_offsets) else 0.0
-            timeline.events += [TimelineEvent(s, Action.parse(a), c, b - offset, e - offset)
-                                for s, a, c, b, e in rank_rows]
+            timeline.events += [TimelineEvent(s, Action.parse(a), c, b - offset, e - offset, rank=r)
+                                for s, r, a, c, b, e in rank_rows]
             if rank_sync_ms is not None:  # the slowest replica of the stage
                 sync_ms[stage] = max(sync_ms.get(stage, 0.0), rank_sync_ms)
-        schedule = strategy.last_schedule
-        assert schedule is not None  # set by the timed training step whose events these are
         predicted = simulate(schedule, _measured_costs(timeline))
         metrics = stage_metrics(timeline, predicted, self._samples, sync_ms)
         self.history.append({"step": float(step), **metrics})
@@ -231,21 +240,33 @@ def stage_metrics(measured: Timeline, predicted: Timeline, samples: int,
                   grad_sync_ms: dict[int, float] | None = None) -> dict[str, float]:
     """The logged numbers of one measured step (see :class:`PipelineMonitor` for their meaning)."""
     wall = measured.makespan
+    one_per_rank = measured.stage_to_rank == tuple(range(measured.num_ranks))
+    split = {kind for kind in (BACKWARD_INPUT, BACKWARD_WEIGHT) if any(e.category == kind for e in measured.events)}
     metrics: dict[str, float] = {}
     for stage in range(measured.num_stages):
-        forward = measured.total(stage, [FORWARD])
-        backward = measured.total(stage, [BACKWARD])
-        wait = measured.total(stage, [COMM_WAIT])
-        transfer = measured.total(stage, [COMM_TRANSFER])
+        forward = measured.stage_total(stage, [FORWARD])
+        backward = measured.stage_total(stage, [BACKWARD])
+        backward_input = measured.stage_total(stage, [BACKWARD_INPUT])
+        backward_weight = measured.stage_total(stage, [BACKWARD_WEIGHT])
+        wait = measured.stage_total(stage, [COMM_WAIT])
+        transfer = measured.stage_total(stage, [COMM_TRANSFER])
         prefix = f"pipeline/stage{stage}/"
         metrics[prefix + "forward_ms"] = 1e3 * forward
         metrics[prefix + "backward_ms"] = 1e3 * backward
+        if BACKWARD_INPUT in split:
+            metrics[prefix + "backward_input_ms"] = 1e3 * backward_input
+        if BACKWARD_WEIGHT in split:
+            metrics[prefix + "backward_weight_ms"] = 1e3 * backward_weight
         metrics[prefix + "comm_wait_ms"] = 1e3 * wait
         metrics[prefix + "comm_transfer_ms"] = 1e3 * transfer
-        metrics[prefix + "idle_ms"] = 1e3 * max(0.0, wall - forward - backward - wait - transfer)
-        metrics[prefix + "bubble_fraction"] = measured.bubble_fraction(stage)
+        if one_per_rank:
+            busy = forward + backward + backward_input + backward_weight + wait + transfer
+            metrics[prefix + "idle_ms"] = 1e3 * max(0.0, wall - busy)
+            metrics[prefix + "bubble_fraction"] = measured.bubble_fraction(stage)
         if grad_sync_ms and stage in grad_sync_ms:
             metrics[prefix + "grad_sync_ms"] = grad_sync_ms[stage]
+    for rank in range(measured.num_ranks):
+        metrics[f"pipeline/rank{rank}/bubble_fraction"] = measured.bubble_fraction(rank)
     metrics["pipeline/bubble_fraction"] = measured.bubble_fraction()
     metrics["pipeline/predicted_bubble_fraction"] = predicted.bubble_fraction()
     metrics["pipeline/bubble_fraction_error"] = metrics["pipeline/bubble_fraction"] - predicted.bubble_fraction()
@@ -255,10 +276,10 @@ def stage_metrics(measured: Timeline, predicted: Timeline, samples: int,
 
 
 def summary_table(history: Sequence[dict[str, float]], num_stages: int) -> str:
-    """Per-stage means over the measured steps, as a text table."""
+    """Per-stage means over the measured steps, as a text table (backward: B, or I + W when split)."""
 
-    def mean(key: str) -> float:
-        return sum(h[key] for h in history) / len(history)
+    def mean(key: str, missing: float = math.nan) -> float:
+        return sum(h.get(key, missing) for h in history) / len(history)
 
     synced = all("pipeline/stage0/grad_sync_ms" in h for h in history)
     header = f"{'stage':>5} | {'forward ms':>10} | {'backward ms':>11} | {'comm wait ms':>12} | " \
@@ -266,7 +287,8 @@ def summary_table(history: Sequence[dict[str, float]], num_stages: int) -> str:
     lines = [f"PipelineMonitor: mean over {len(history)} measured steps", header, "-" * len(header)]
     for stage in range(num_stages):
         p = f"pipeline/stage{stage}/"
-        lines.append(f"{stage:>5} | {mean(p + 'forward_ms'):>10.2f} | {mean(p + 'backward_ms'):>11.2f} | "
+        backward = mean(p + "backward_ms") + mean(p + "backward_input_ms", 0.0) + mean(p + "backward_weight_ms", 0.0)
+        lines.append(f"{stage:>5} | {mean(p + 'forward_ms'):>10.2f} | {backward:>11.2f} | "
                      f"{mean(p + 'comm_wait_ms'):>12.2f} | {mean(p + 'comm_transfer_ms'):>11.2f} | "
                      f"{mean(p + 'idle_ms'):>8.2f} | {mean(p + 'bubble_fraction'):>6.3f}"
                      + (f" | {mean(p + 'grad_sync_ms'):>12.2f}" if synced else ""))
@@ -276,24 +298,35 @@ def summary_table(history: Sequence[dict[str, float]], num_stages: int) -> str:
     return "\n".join(lines)
 
 
+def _row_names(timeline: Timeline) -> list[str]:
+    """``stage s`` per row for one stage per rank, else ``rank r (stages a, b)``."""
+    if timeline.stage_to_rank == tuple(range(timeline.num_ranks)):
+        return [f"stage {rank}" for rank in range(timeline.num_ranks)]
+    return [f"rank {rank} (stages {', '.join(str(s) for s, r in enumerate(timeline.stage_to_rank) if r == rank)})"
+            for rank in range(timeline.num_ranks)]
+
+
 def to_chrome_trace(timeline: Timeline) -> dict[str, Any]:
-    """Chrome-trace / Perfetto JSON: one track (thread) per stage, one complete event per action interval."""
+    """Chrome-trace / Perfetto JSON: one track (thread) per rank, one complete event per action interval."""
     start = timeline.start
     events: list[dict[str, Any]] = [
-        {"name": "thread_name", "ph": "M", "pid": 0, "tid": stage, "args": {"name": f"stage {stage}"}}
-        for stage in range(timeline.num_stages)
+        {"name": "thread_name", "ph": "M", "pid": 0, "tid": rank, "args": {"name": name}}
+        for rank, name in enumerate(_row_names(timeline))
     ]
+    several = timeline.stages_per_rank > 1
     for event in timeline.events:
         events.append({
-            "name": f"{event.action.type.value}{event.action.microbatch}", "cat": event.category, "ph": "X",
-            "pid": 0, "tid": event.stage, "ts": 1e6 * (event.start - start), "dur": 1e6 * event.duration,
+            "name": str(event.action) if several else f"{event.action.type.value}{event.action.microbatch}",
+            "cat": event.category, "ph": "X",
+            "pid": 0, "tid": event.rank, "ts": 1e6 * (event.start - start), "dur": 1e6 * event.duration,
             "args": {"action": str(event.action), "microbatch": event.action.microbatch},
         })
     return {"traceEvents": events, "displayTimeUnit": "ms"}
 
 
 def draw_timelines(measured: Timeline, predicted: Timeline | None = None, title: str = "") -> Any:
-    """Stages x time, forward / backward / waiting / transfer in distinct colours, micro-batch numbers on bars."""
+    """Ranks x time, forward / backward (B, I, W) / waiting / transfer in distinct colours, micro-batch numbers on
+    bars (the whole action, ``4F1``, when a rank holds several stages)."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -301,23 +334,24 @@ def draw_timelines(measured: Timeline, predicted: Timeline | None = None, title:
     from matplotlib.patches import Patch
 
     panels = [("measured", measured)] + ([("predicted from measured costs", predicted)] if predicted else [])
-    figure, axes = plt.subplots(len(panels), 1, figsize=(12, 1.2 + 0.7 * measured.num_stages * len(panels)),
+    figure, axes = plt.subplots(len(panels), 1, figsize=(12, 1.2 + 0.7 * measured.num_ranks * len(panels)),
                                 squeeze=False)
     for axis, (label, timeline) in zip(axes[:, 0], panels, strict=True):
         scale = 1e3  # seconds -> ms; the prediction uses measured costs, so it is in seconds too
+        several = timeline.stages_per_rank > 1
         for event in timeline.events:
             left, width = scale * (event.start - timeline.start), scale * event.duration
-            axis.broken_barh([(left, width)], (event.stage - 0.4, 0.8), facecolors=_COLOURS[event.category])
+            axis.broken_barh([(left, width)], (event.rank - 0.4, 0.8), facecolors=_COLOURS[event.category])
             if event.category in COMPUTE_CATEGORIES and width > 0.02 * scale * timeline.makespan / 4:
-                axis.text(left + width / 2, event.stage, str(event.action.microbatch), ha="center", va="center",
-                          fontsize=7, color="white")
-        axis.set_yticks(range(timeline.num_stages), [f"stage {s}" for s in range(timeline.num_stages)])
+                text = str(event.action) if several else str(event.action.microbatch)
+                axis.text(left + width / 2, event.rank, text, ha="center", va="center", fontsize=7, color="white")
+        axis.set_yticks(range(timeline.num_ranks), _row_names(timeline))
         axis.invert_yaxis()
         axis.set_xlim(0, scale * timeline.makespan)
         axis.set_title(f"{label}: bubble {timeline.bubble_fraction():.3f}", fontsize=9, loc="left")
         axis.set_xlabel("ms", fontsize=8)
     legend = [Patch(color=c, label=k.replace("_", " ")) for k, c in _COLOURS.items()]
-    figure.legend(handles=legend, loc="upper right", ncol=4, fontsize=8)
+    figure.legend(handles=legend, loc="upper right", ncol=6, fontsize=8)
     if title:
         figure.suptitle(title, fontsize=10, x=0.01, ha="left")
     figure.tight_layout(rect=(0, 0, 1, 0.93))

@@ -153,6 +153,6 @@ def run_stage(
             if header_arrived is not None:  # a receive: waiting for the peer, then moving the tensor
                 # clamped: on a device, the host may see the header before the stream reaches the receive
                 split = min(max(timer.seconds(header_arrived), start_s), end_s)
-                events.append(TimelineEvent(action.stage, action, COMM_WAIT, start_s, split))
+                events.append(TimelineEvent(action.stage, action, COMM_WAIT, start_s, split, rank=action.stage))
                 start_s = split
-            events.append(TimelineEvent(action.stage, action, category, start_s, end_s))
+            events.append(TimelineEvent(action.stage, action, category, start_s, end_s, rank=action.stage))

@@ -1,35 +1,56 @@
 """Timelines of a schedule: predicted from per-action costs here, measured by the runtime, drawn by one function.
 
-The bubble of a stage is the share of the step's wall time in which it computes nothing. With unit costs, GPipe and
-1F1B both have the bubble fraction (p - 1) / (m + p - 1) for p stages and m micro-batches.
+The bubble of a rank is the share of the step's wall time in which it computes nothing (F, B, I and W are compute).
+With unit costs, GPipe and 1F1B both have the bubble fraction (p - 1) / (m + p - 1) for p ranks and m micro-batches,
+interleaved 1F1B with v stages per rank (p - 1) / (v m + p - 1), ZB-H1 (F = I = W) (p - 1) / (3 m + p - 1).
+
+:func:`execute` is the one loop that runs action lists: :func:`simulate` draws its timeline, and
+:func:`lightning_pp.schedules.validate_schedule` uses it to find deadlocks.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from dataclasses import dataclass, field
 
 from lightning_pp.schedules import Action, ActionType, Schedule
 
-__all__ = ["Timeline", "TimelineEvent", "format_timeline", "simulate"]
+__all__ = ["Execution", "Timeline", "TimelineEvent", "action_costs", "execute", "format_timeline", "simulate",
+           "unit_cost"]
 
 FORWARD = "forward"
 BACKWARD = "backward"
+BACKWARD_INPUT = "backward_input"
+BACKWARD_WEIGHT = "backward_weight"
 COMM_WAIT = "comm_wait"
 COMM_TRANSFER = "comm_transfer"
-COMPUTE_CATEGORIES = (FORWARD, BACKWARD)
-CATEGORY_OF = {ActionType.FORWARD: FORWARD, ActionType.BACKWARD: BACKWARD}
+COMPUTE_CATEGORIES = (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
+CATEGORY_OF = {
+    ActionType.FORWARD: FORWARD,
+    ActionType.BACKWARD: BACKWARD,
+    ActionType.BACKWARD_INPUT: BACKWARD_INPUT,
+    ActionType.BACKWARD_WEIGHT: BACKWARD_WEIGHT,
+}
 
 
 @dataclass(frozen=True, slots=True)
 class TimelineEvent:
-    """One interval on one stage: an action's compute, or the wait / transfer part of a transfer."""
+    """One interval on one rank: an action's compute, or the wait / transfer part of a transfer.
+
+    ``rank`` is the row the event belongs to (the rank that ran it); left out, it is ``stage``, which is right for
+    one stage per rank.
+    """
 
     stage: int
     action: Action
     category: str
     start: float
     end: float
+    rank: int = -1
+
+    def __post_init__(self) -> None:
+        if self.rank < 0:
+            object.__setattr__(self, "rank", self.stage)
 
     @property
     def duration(self) -> float:
@@ -38,10 +59,26 @@ class TimelineEvent:
 
 @dataclass
 class Timeline:
-    """Events of one step on every stage; times are seconds (measured) or cost units (predicted)."""
+    """Events of one step on every rank; times are seconds (measured) or cost units (predicted).
 
-    num_stages: int
+    ``stage_to_rank[stage]`` is the rank holding ``stage``; left out, one stage per rank (stage ``s`` on rank ``s``).
+    """
+
+    num_ranks: int
     events: list[TimelineEvent] = field(default_factory=list)
+    stage_to_rank: tuple[int, ...] = ()
+
+    def __post_init__(self) -> None:
+        if not self.stage_to_rank:
+            self.stage_to_rank = tuple(range(self.num_ranks))
+
+    @property
+    def num_stages(self) -> int:
+        return len(self.stage_to_rank)
+
+    @property
+    def stages_per_rank(self) -> int:
+        return self.num_stages // max(1, self.num_ranks)
 
     @property
     def start(self) -> float:
@@ -51,77 +88,139 @@ class Timeline:
     def makespan(self) -> float:
         return max((e.end for e in self.events), default=0.0) - self.start
 
-    def total(self, stage: int, categories: Iterable[str]) -> float:
+    def total(self, rank: int, categories: Iterable[str]) -> float:
+        """Time rank ``rank`` spent in ``categories`` (for one stage per rank, the time of stage ``rank``)."""
+        wanted = set(categories)
+        return sum(e.duration for e in self.events if e.rank == rank and e.category in wanted)
+
+    def stage_total(self, stage: int, categories: Iterable[str]) -> float:
+        """Time spent in ``categories`` on actions of stage ``stage``."""
         wanted = set(categories)
         return sum(e.duration for e in self.events if e.stage == stage and e.category in wanted)
 
-    def bubble_fraction(self, stage: int | None = None) -> float:
-        """Idle share of the makespan on ``stage``, or over all stages when ``stage`` is None."""
+    def bubble_fraction(self, rank: int | None = None) -> float:
+        """Share of the makespan in which ``rank`` computes nothing; the mean over all ranks when ``rank`` is None."""
         makespan = self.makespan
         if makespan <= 0:
             return 0.0
-        stages = range(self.num_stages) if stage is None else [stage]
-        busy = sum(self.total(s, COMPUTE_CATEGORIES) for s in stages)
-        return 1.0 - busy / (makespan * len(stages))
+        ranks = range(self.num_ranks) if rank is None else [rank]
+        busy = sum(self.total(r, COMPUTE_CATEGORIES) for r in ranks)
+        return 1.0 - busy / (makespan * len(ranks))
 
 
 def unit_cost(action: Action) -> float:
-    """One tick per forward or backward; transfers are free."""
+    """One tick per compute action (F = B = I = W = 1); transfers are free.
+
+    So a zero-bubble schedule is pictured with F = I = W, and B is as long as one of its halves. To compare 1F1B
+    with a zero-bubble schedule on equal terms (B = I + W), use :func:`action_costs`.
+    """
     return 1.0 if action.is_compute else 0.0
 
 
-def simulate(schedule: Schedule, cost: Callable[[Action], float] = unit_cost) -> Timeline:
-    """Predict the timeline of ``schedule``: each stage runs its list in order, a receive waits for its send."""
-    num_stages = schedule.num_stages
-    clock = [0.0] * num_stages
-    position = [0] * num_stages
+def action_costs(forward: float = 1.0, backward: float | None = None, backward_input: float = 1.0,
+                 backward_weight: float = 1.0, transfer: float = 0.0) -> Callable[[Action], float]:
+    """A cost function for :func:`simulate` from one cost per kind; ``backward`` defaults to I + W."""
+    costs = {
+        ActionType.FORWARD: forward,
+        ActionType.BACKWARD: backward_input + backward_weight if backward is None else backward,
+        ActionType.BACKWARD_INPUT: backward_input,
+        ActionType.BACKWARD_WEIGHT: backward_weight,
+    }
+    return lambda action: costs.get(action.type, transfer)
+
+
+@dataclass
+class Execution:
+    """What :func:`execute` did: the events, and where each rank stopped (its list's length when it finished)."""
+
+    events: list[TimelineEvent]
+    position: list[int]
+    lengths: list[int]
+
+    @property
+    def unfinished(self) -> list[int]:
+        """The ranks that did not reach the end of their list (all blocked on a receive: a deadlock)."""
+        return [rank for rank, (at, length) in enumerate(zip(self.position, self.lengths, strict=True))
+                if at < length]
+
+    @property
+    def finished(self) -> bool:
+        return not self.unfinished
+
+
+def execute(actions: Sequence[Sequence[Action]], cost: Callable[[Action], float] = unit_cost) -> Execution:
+    """Run per-rank action lists with one clock per rank; the one execution loop (simulator and validator).
+
+    Each rank runs its list in order; an action starts when the previous one on its rank ended, a receive also not
+    before its send ended (sends never block). A transfer between two stages of one rank is no action: the consumer
+    comes later in the same list, so the order already says when its input is there. Stops when every rank finished
+    or every unfinished rank waits on a receive whose send will never come (a deadlock: see ``unfinished``).
+    """
+    num_ranks = len(actions)
+    clock = [0.0] * num_ranks
+    position = [0] * num_ranks
     arrival: dict[tuple[int, ActionType, int], float] = {}  # (receiving stage, receive type, mb) -> time
-    timeline = Timeline(num_stages)
-    pending = sum(len(actions) for actions in schedule.actions)
-    while pending:
+    events: list[TimelineEvent] = []
+    progressed = True
+    while progressed:
         progressed = False
-        for stage, actions in enumerate(schedule.actions):
-            while position[stage] < len(actions):
-                action = actions[position[stage]]
-                start = clock[stage]
-                if action.type in (ActionType.RECV_F, ActionType.RECV_B):
-                    key = (stage, action.type, action.microbatch)
+        for rank, rank_actions in enumerate(actions):
+            while position[rank] < len(rank_actions):
+                action = rank_actions[position[rank]]
+                start = clock[rank]
+                if action.is_recv:
+                    key = (action.stage, action.type, action.microbatch)
                     if key not in arrival:
                         break
                     if arrival[key] > start:
-                        timeline.events.append(TimelineEvent(stage, action, COMM_WAIT, start, arrival[key]))
+                        events.append(TimelineEvent(action.stage, action, COMM_WAIT, start, arrival[key], rank))
                         start = arrival[key]
                 end = start + cost(action)
                 if action.is_compute:
-                    timeline.events.append(TimelineEvent(stage, action, CATEGORY_OF[action.type], start, end))
+                    events.append(TimelineEvent(action.stage, action, CATEGORY_OF[action.type], start, end, rank))
                 elif end > start:
-                    timeline.events.append(TimelineEvent(stage, action, COMM_TRANSFER, start, end))
+                    events.append(TimelineEvent(action.stage, action, COMM_TRANSFER, start, end, rank))
                 if action.is_send:
                     recv = ActionType.RECV_F if action.type is ActionType.SEND_F else ActionType.RECV_B
                     arrival[(action.peer, recv, action.microbatch)] = end
-                clock[stage] = end
-                position[stage] += 1
-                pending -= 1
+                clock[rank] = end
+                position[rank] += 1
                 progressed = True
-        if not progressed:  # unreachable for a validated schedule
-            raise RuntimeError(f"Schedule {schedule.name!r} deadlocks; run validate_schedule for the grid.")
-    return timeline
+    return Execution(events, position, [len(rank_actions) for rank_actions in actions])
+
+
+def simulate(schedule: Schedule, cost: Callable[[Action], float] = unit_cost) -> Timeline:
+    """Predict the timeline of ``schedule`` (one row per rank); see :func:`execute` for the rules."""
+    run = execute(schedule.actions, cost)
+    if not run.finished:  # unreachable for a validated schedule
+        raise RuntimeError(f"Schedule {schedule.name!r} deadlocks; run validate_schedule for the grid.")
+    return Timeline(schedule.num_ranks, run.events, schedule.stage_to_rank)
 
 
 def format_timeline(timeline: Timeline, tick: float = 1.0) -> str:
-    """Draw compute events as text, one column per ``tick`` of time and one row per stage ('.' is idle)."""
+    """Draw compute events as text, one column per ``tick`` of time and one row per rank ('.' is idle).
+
+    With one stage per rank a row is ``stage s`` and a cell the kind and micro-batch (``F3``, ``I3``), cells side by
+    side. With several stages per rank a row is ``rank r`` and a cell the whole action, stage included (``4F3``:
+    stage 4, the second stage of rank 0 when there are 4 ranks, forwards micro-batch 3), cells separated by a space.
+    """
     compute = [e for e in timeline.events if e.category in COMPUTE_CATEGORIES]
-    width = max((len(f"{e.action.type.value}{e.action.microbatch}") for e in compute), default=2)
+    several = timeline.stage_to_rank != tuple(range(timeline.num_ranks))
+
+    def label(action: Action) -> str:
+        return str(action) if several else f"{action.type.value}{action.microbatch}"
+
+    width = max((len(label(e.action)) for e in compute), default=2)
     columns = round(timeline.makespan / tick)
     rows = []
-    for stage in range(timeline.num_stages):
+    for rank in range(timeline.num_ranks):
         cells = ["." * width] * columns
         for event in compute:
-            if event.stage == stage:
-                label = f"{event.action.type.value}{event.action.microbatch}"
+            if event.rank == rank:
                 first = round((event.start - timeline.start) / tick)
                 last = max(first + 1, round((event.end - timeline.start) / tick))
                 for column in range(first, last):
-                    cells[column] = f"{label:<{width}}"
-        rows.append(f"stage {stage} |" + "".join(cells).rstrip("."))
+                    cells[column] = f"{label(event.action):<{width}}"
+        row = (" " if several else "").join(cells).rstrip(". ")
+        rows.append(f"{'rank' if several else 'stage'} {rank} |{row}")
     return "\n".join(rows)
