@@ -52,6 +52,41 @@ def mark_metric_updated(metric: Any, counted: bool, forward_value: torch.Tensor 
         metric._forward_cache = forward_value
 
 
+def weights_off_the_input_path(outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                               params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
+    """The ``params`` in ``outputs``' autograd graph whose gradient path never meets ``inputs``' (torch's zero-bubble
+    split, below, leaves their gradients out)."""
+    from torch.distributed.pipelining._backward import (
+        _get_grad_fn_or_grad_acc,
+        construct_reverse_graph,
+        get_param_groups,
+    )
+
+    reverse = construct_reverse_graph([n for n in map(_get_grad_fn_or_grad_acc, outputs) if n is not None])
+    nodes = {id(p): _get_grad_fn_or_grad_acc(p) for p in params}
+    in_graph = [p for p in params if nodes[id(p)] in reverse]  # before get_param_groups adds keys to the defaultdict
+    input_nodes = [n for n in map(_get_grad_fn_or_grad_acc, inputs) if n is not None]
+    groups = get_param_groups(input_nodes, [node for p in in_graph if (node := nodes[id(p)]) is not None], reverse)
+    covered = {node for group in groups for node in group["params"]}
+    return [p for p in in_graph if nodes[id(p)] not in covered]
+
+
+def backward_input(outputs: list[torch.Tensor], output_grads: list[torch.Tensor] | None,
+                   inputs: list[torch.Tensor], params: list[torch.nn.Parameter]) -> tuple[tuple[Any, ...], Any]:
+    """torch.distributed.pipelining's input-gradient pass: ``inputs``' gradients now, and what the weight pass needs
+    (the gradients where each weight's path leaves the input's)."""
+    from torch.distributed.pipelining._backward import stage_backward_input
+
+    return stage_backward_input(outputs, output_grads, inputs, iter(params))
+
+
+def backward_weight(params: list[torch.nn.Parameter], kept: Any) -> None:
+    """The weight-gradient pass of :func:`backward_input`, accumulated into ``params``' ``grad``."""
+    from torch.distributed.pipelining._backward import stage_backward_weight
+
+    stage_backward_weight(iter(params), kept)
+
+
 def child_names(container: torch.nn.Module) -> list[str]:
     """Every entry of a block container in order, also a block listed twice (``named_children`` skips repeats)."""
     return list(container._modules)
@@ -65,9 +100,12 @@ __all__ = [
     "_init_dist_connection",
     "_optimizers_to_device",
     "_sync_ddp_if_available",
+    "backward_input",
+    "backward_weight",
     "child_names",
     "mark_metric_updated",
     "metric_forward_value",
     "replace_metric_sync",
     "sync_metric_states",
+    "weights_off_the_input_path",
 ]

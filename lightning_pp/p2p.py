@@ -68,7 +68,8 @@ def _posted(work: dist.Work | None) -> dist.Work:
 
 
 class StageP2P:
-    """The transfers of one stage: ``send`` posts and returns, ``recv`` waits for the peer (bounded by ``timeout``).
+    """The transfers of one rank's stages: ``send`` posts and returns, ``recv`` waits for the peer (bounded by
+    ``timeout``). ``stage_ranks[s]`` is the global rank holding stage ``s``.
 
     What is sent is whatever one block hands the next: a tensor, or tuples / lists / dicts of tensors and plain values
     (see :mod:`lightning_pp._tree`). Each tensor keeps its ``requires_grad`` across the boundary, so the receiver
@@ -78,14 +79,12 @@ class StageP2P:
 
     def __init__(
         self,
-        stage: int,
         stage_ranks: Sequence[int],
         device: torch.device,
         timeout: float,
         groups: tuple[Any, Any] = (None, None),
         prefetch: int = 2,
     ) -> None:
-        self.stage = stage
         self.stage_ranks = list(stage_ranks)
         self.device = device
         self.timeout = timeout
@@ -118,16 +117,16 @@ class StageP2P:
         for tensor in tensors:
             if tensor.dim() > _MAX_DIMS or tensor.dtype not in _DTYPE_CODE:
                 raise PipelineCommError(
-                    f"Stage {self.stage} cannot send a tensor of dtype {tensor.dtype} with shape "
+                    f"Stage {action.stage} cannot send a tensor of dtype {tensor.dtype} with shape "
                     f"{tuple(tensor.shape)} in {action}: supported are up to {_MAX_DIMS} dimensions and dtypes "
                     f"{[str(d) for d in _DTYPES]}."
                 )
         if len(tensors) > _MAX_TENSORS:
             raise PipelineConfigError(
-                f"Stage {self.stage} would send {len(tensors)} tensors in {action}; at most {_MAX_TENSORS} cross a "
+                f"Stage {action.stage} would send {len(tensors)} tensors in {action}; at most {_MAX_TENSORS} cross a "
                 f"stage boundary. Return fewer tensors from each block (compute the rest on every stage)."
             )
-        key = (self.stage, action.peer, action.microbatch)
+        key = (action.stage, action.peer, action.microbatch)
         spec_bytes = encode_spec(spec) if self._specs.get(key) != spec else b""
         self._specs[key] = spec
         header = [len(spec_bytes), len(tensors)]
@@ -177,7 +176,7 @@ class StageP2P:
             code, grad, ndim, *dims = values[2 + i * _PER_TENSOR : 2 + (i + 1) * _PER_TENSOR]
             layout.append((_DTYPES[code], dims[:ndim]))
             requires_grad.append(bool(grad))
-        key = (action.peer, self.stage, action.microbatch)
+        key = (action.peer, action.stage, action.microbatch)
         for work in payload_works:
             self._wait(work, action, "receiving the tensor")
         if spec_len:
@@ -211,7 +210,7 @@ class StageP2P:
     def _post(self, action: Action) -> None:
         header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
         header_work = self._irecv(header, action, _HEADER_TAG)
-        expected = self._expected.get((action.peer, self.stage, action.microbatch), [])
+        expected = self._expected.get((action.peer, action.stage, action.microbatch), [])
         payloads = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in expected]
         works = [self._irecv(payload, action, _PAYLOAD_TAG) for payload in payloads]
         self._posted[action] = (header, header_work, payloads, works)
@@ -242,7 +241,7 @@ class StageP2P:
         timed_out = isinstance(error, TimeoutError) or "timed out" in text.lower() or "timeout" in text.lower()
         kind = PipelineTimeoutError if timed_out else PipelineCommError
         return kind(
-            f"Pipeline stage {self.stage} (rank {self.stage_ranks[self.stage]}) failed in action {action} while "
+            f"Pipeline stage {action.stage} (rank {self.stage_ranks[action.stage]}) failed in action {action} while "
             f"{what} with peer stage {peer} (rank {self.stage_ranks[peer]}) (timeout {self.timeout} s): {text}. "
             f"The peer has probably crashed or is stuck: look at its output for the first error. If a stage "
             f"legitimately needs longer, raise PipelineParallelStrategy(timeout=...)."

@@ -1,23 +1,25 @@
-"""Executes one stage's action list for one step: compute, transfers, and (on request) a timed event per action."""
+"""Executes one rank's action list for one step: compute, transfers, and (on request) a timed event per action."""
 
 from __future__ import annotations
 
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable
 from typing import Any
 
 import torch
 
-from lightning_pp._tree import flatten
+from lightning_pp._tree import flatten, map_tensors
+from lightning_pp.backward import WeightGradients, backward_input, backward_weight
+from lightning_pp.errors import PipelineScheduleError
 from lightning_pp.p2p import StageP2P
-from lightning_pp.schedules import Action, ActionType
+from lightning_pp.schedules import Action, ActionType, Schedule
 from lightning_pp.simulate import CATEGORY_OF, COMM_TRANSFER, COMM_WAIT, TimelineEvent
 
 __all__ = ["EventClock", "ForwardFn", "HostClock", "run_stage", "step_clock"]
 
-# forward(microbatch, what the previous stage sent or None on the first stage) -> what to send downstream (a tensor or a
-# structure of them), or on the last stage the (already weighted) loss to back-propagate
-ForwardFn = Callable[[int, Any], Any]
+# forward(stage, microbatch, what the previous stage sent or None on the first stage) -> what to send downstream (a
+# tensor or a structure of them), or on the last stage the (already weighted) loss to back-propagate
+ForwardFn = Callable[[int, int, Any], Any]
 
 
 def _needing_grad(obj: Any) -> list[torch.Tensor]:
@@ -78,66 +80,103 @@ def step_clock(device: torch.device) -> HostClock:
 
 
 def run_stage(
-    actions: Sequence[Action],
+    schedule: Schedule,
+    rank: int,
     forward: ForwardFn,
     p2p: StageP2P | None,
     *,
-    is_last: bool,
     training: bool,
+    params: Callable[[int], list[torch.nn.Parameter]] | None = None,
     events: list[TimelineEvent] | None = None,
     clock: HostClock | None = None,
 ) -> None:
-    """Run ``actions`` in order; with ``events`` (a list) and ``clock``, append one timed event per action.
+    """Run ``rank``'s actions of ``schedule`` in order; with ``events`` (a list) and ``clock``, append one timed event
+    per action. ``params(stage)`` lists the weights a split backward (I, then W) of ``stage`` accumulates into.
 
-    Activations, received tensors and gradients are dropped as soon as the last action that needs them has run, so a
-    stage holds only what its schedule keeps in flight.
+    State is kept per (stage, micro-batch), so a rank may hold several stages. Between two stages of one rank nothing
+    travels: the later stage's forward takes the earlier one's output (detached, as if received), and its input
+    gradient becomes the earlier stage's output gradient. Activations, received tensors and gradients are dropped as
+    soon as the last action that needs them has run, so a rank holds only what its schedule keeps in flight.
     """
-    inputs: dict[int, Any] = {}  # received activations, kept for backward
-    outputs: dict[int, Any] = {}  # stage outputs (the weighted loss on the last stage)
-    output_grads: dict[int, list[torch.Tensor]] = {}  # received gradients w.r.t. this stage's outputs
-    input_grads: dict[int, list[torch.Tensor]] = {}  # gradients w.r.t. this stage's inputs, to send upstream
+    actions = schedule.actions[rank]
+    last_stage = schedule.num_stages - 1
+    local = set(schedule.stages_of(rank))
+    Key = tuple[int, int]
+    inputs: dict[Key, Any] = {}  # received (or handed over) activations, kept for backward
+    outputs: dict[Key, Any] = {}  # stage outputs (the weighted loss on the last stage)
+    output_grads: dict[Key, list[torch.Tensor]] = {}  # gradients w.r.t. a stage's outputs
+    input_grads: dict[Key, list[torch.Tensor]] = {}  # gradients w.r.t. a stage's inputs, to send upstream
+    weight_work: dict[Key, WeightGradients] = {}  # what an I left for its W
     # (action, category, start, header arrival or None, end) in clock stamps, turned into events after the step
     stamps: list[tuple[Action, str, Any, Any, Any]] = []
     timer = clock if events is not None else None  # None: this step is not timed
 
+    def gradients_of_output(stage: int, mb: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        output = outputs.pop((stage, mb))
+        if stage == last_stage:
+            return [output], None
+        tensors = _needing_grad(output)
+        grads = output_grads.pop((stage, mb))
+        return tensors, grads if tensors else None
+
+    def hand_upstream(stage: int, mb: int, grads: list[torch.Tensor]) -> None:
+        if stage - 1 in local:
+            output_grads[(stage - 1, mb)] = grads
+        elif stage > 0:
+            input_grads[(stage, mb)] = grads
+
     if p2p is not None:
         p2p.start_step(actions)
     for action in actions:
-        mb = action.microbatch
+        stage, mb = action.stage, action.microbatch
+        key = (stage, mb)
         start = timer.now() if timer is not None else None
         header_arrived = None
         kind = action.type
         if kind is ActionType.FORWARD:
-            output = forward(mb, inputs.get(mb))
-            if training or not is_last:
-                outputs[mb] = output
+            if stage - 1 in local:  # the previous stage ran on this rank: hand its output over
+                previous = outputs[(stage - 1, mb)] if training else outputs.pop((stage - 1, mb))
+                inputs[key] = map_tensors(previous, lambda t: t.detach().requires_grad_(t.requires_grad))
+            output = forward(stage, mb, inputs.get(key))
+            if training or stage != last_stage:
+                outputs[key] = output
             if not training:
-                inputs.pop(mb, None)
+                inputs.pop(key, None)
         elif kind is ActionType.BACKWARD:
-            output = outputs.pop(mb)
-            if is_last:
-                torch.autograd.backward(output)
+            tensors, grads = gradients_of_output(stage, mb)
+            if tensors:  # else: frozen layers fed by an input without gradient, nothing to do
+                torch.autograd.backward(tensors, grads)
+            if key in inputs:
+                hand_upstream(stage, mb, [t.grad if t.grad is not None else torch.zeros_like(t)
+                                          for t in _needing_grad(inputs.pop(key))])
+        elif kind is ActionType.BACKWARD_INPUT:
+            tensors, grads = gradients_of_output(stage, mb)
+            received = _needing_grad(inputs.pop(key)) if key in inputs else []
+            weights = [p for p in params(stage) if p.requires_grad] if params is not None else []
+            if tensors:
+                dinputs, weight_work[key] = backward_input(tensors, grads, received, weights)
             else:
-                grads = output_grads.pop(mb)
-                tensors = _needing_grad(output)
-                if tensors:  # else: frozen layers fed by an input without gradient, nothing to do
-                    torch.autograd.backward(tensors, grads)
-            if mb in inputs:
-                input_grads[mb] = [t.grad if t.grad is not None else torch.zeros_like(t)
-                                   for t in _needing_grad(inputs.pop(mb))]
-            del output
+                dinputs, weight_work[key] = [torch.zeros_like(t) for t in received], WeightGradients(weights)
+            if received:
+                hand_upstream(stage, mb, dinputs)
+        elif kind is ActionType.BACKWARD_WEIGHT:
+            work = weight_work.pop(key)
+            if work.kept is not None or work.deferred is not None:
+                backward_weight(work)
         elif kind is ActionType.SEND_F:
             assert p2p is not None
-            p2p.send(outputs[mb] if training else outputs.pop(mb), action)
+            p2p.send(outputs[key] if training else outputs.pop(key), action)
         elif kind is ActionType.SEND_B:
             assert p2p is not None
-            p2p.send(input_grads.pop(mb), action)
+            p2p.send(input_grads.pop(key), action)
         elif kind is ActionType.RECV_F:
             assert p2p is not None
-            inputs[mb], header_arrived = p2p.recv(action)
-        else:  # RECV_B
+            inputs[key], header_arrived = p2p.recv(action)
+        elif kind is ActionType.RECV_B:
             assert p2p is not None
-            output_grads[mb], header_arrived = p2p.recv(action)
+            output_grads[key], header_arrived = p2p.recv(action)
+        else:
+            raise PipelineScheduleError(f"The runtime cannot run action {action} ({kind.name}).")
         if timer is not None:
             stamps.append((action, CATEGORY_OF.get(kind, COMM_TRANSFER), start, header_arrived, timer.now()))
     if p2p is not None:
@@ -153,6 +192,6 @@ def run_stage(
             if header_arrived is not None:  # a receive: waiting for the peer, then moving the tensor
                 # clamped: on a device, the host may see the header before the stream reaches the receive
                 split = min(max(timer.seconds(header_arrived), start_s), end_s)
-                events.append(TimelineEvent(action.stage, action, COMM_WAIT, start_s, split, rank=action.stage))
+                events.append(TimelineEvent(action.stage, action, COMM_WAIT, start_s, split, rank=rank))
                 start_s = split
-            events.append(TimelineEvent(action.stage, action, category, start_s, end_s, rank=action.stage))
+            events.append(TimelineEvent(action.stage, action, category, start_s, end_s, rank=rank))

@@ -39,7 +39,7 @@ from lightning_pp.grads import PipelineGradients, broadcast_tensors
 from lightning_pp.model.split import Partition, split_module
 from lightning_pp.model.step import StepDriver
 from lightning_pp.p2p import StageP2P
-from lightning_pp.schedules import SCHEDULES, Schedule, build_schedule
+from lightning_pp.schedules import GENERATORS, Schedule, build_schedule, load_csv
 from lightning_pp.simulate import TimelineEvent
 from lightning_pp.topology import PipelineLayout, StageGroups, create_groups
 
@@ -48,6 +48,7 @@ __all__ = ["PipelineParallelStrategy"]
 
 _AGREEING_SCALERS: weakref.WeakSet[torch.amp.GradScaler] = weakref.WeakSet()  # scalers already patched
 _BACKENDS = ("gloo", "nccl")
+_DEFAULT_STAGES_PER_RANK = {"interleaved_1f1b": 2, "zbv": 2}
 _fits_started = 0  # fits this process has run: names each fit's failure flag alike on every rank
 
 
@@ -106,16 +107,23 @@ class PipelineParallelStrategy(ParallelStrategy):
     :attr:`layout`), so gradient all-reduces stay inside a node and only point-to-point transfers cross nodes.
 
     Args:
-        schedule: ``"naive"`` (one micro-batch at a time), ``"gpipe"`` (all forwards, then all backwards) or
-            ``"1f1b"`` (one forward one backward; activation memory bounded by the number of stages).
-        pipeline_parallel_size: Stages per pipeline; the world size must be a multiple of it. ``None``: the world
+        schedule: ``"naive"`` (one micro-batch at a time), ``"gpipe"`` (all forwards, then all backwards),
+            ``"1f1b"`` (one forward one backward; activation memory bounded by the number of stages),
+            ``"interleaved_1f1b"`` (``stages_per_rank`` stages per rank, round-robin: a bubble ``stages_per_rank``
+            times smaller), ``"zb_h1"`` (backward split into input and weight gradients, the weight part deferred
+            into the bubble), ``"zbv"`` (zero bubble with 2 stages per rank in a V), or the path of a ``.csv`` file
+            with one row of compute actions per rank in torch.distributed.pipelining's format (it fixes the
+            micro-batch count).
+        pipeline_parallel_size: Ranks per pipeline; the world size must be a multiple of it. ``None``: the world
             size (one pipeline, no data parallelism).
+        stages_per_rank: Stages each rank holds: 2 or more for ``"interleaved_1f1b"`` (default 2), 2 for
+            ``"zbv"``, 1 otherwise; the blocks are split into ``stages_per_rank x pipeline_parallel_size`` stages.
         microbatches: Micro-batches per batch; ``None`` means twice the number of stages. A batch with fewer samples
             is split into one micro-batch per sample.
         blocks: Dotted path of the block container to split (``"model.transformer.h"``); by default the container of
             repeated blocks holding the most parameters. ``sequential`` is the same argument under its former name.
-        balance: Blocks per stage (one entry per stage of a pipeline), summing to the container's length; by default
-            an even split.
+        balance: Blocks per stage (one entry per stage of a pipeline, ``stages_per_rank`` per rank), summing to the
+            container's length; by default an even split.
         timeout: Seconds a stage waits for a peer's transfer before raising
             :class:`~lightning_pp.PipelineTimeoutError` naming the stage, the action and the peer; a rank still alive
             this long (plus 5 s) after another rank of the job failed ends itself.
@@ -151,8 +159,9 @@ class PipelineParallelStrategy(ParallelStrategy):
     def __init__(
         self,
         *,
-        schedule: str = "1f1b",
+        schedule: str | os.PathLike[str] = "1f1b",
         pipeline_parallel_size: int | None = None,
+        stages_per_rank: int | None = None,
         microbatches: int | None = None,
         blocks: str | None = None,
         sequential: str | None = None,
@@ -176,8 +185,31 @@ class PipelineParallelStrategy(ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        _check(isinstance(schedule, str) and schedule in SCHEDULES,
-               f"Unknown schedule {schedule!r}. Valid schedules: {', '.join(sorted(SCHEDULES))}.")
+        schedule = os.fspath(schedule) if isinstance(schedule, os.PathLike) else schedule
+        is_file = isinstance(schedule, str) and schedule.lower().endswith(".csv")
+        _check(isinstance(schedule, str) and (schedule in GENERATORS or is_file),
+               f"Unknown schedule {schedule!r}. Valid schedules: {', '.join(sorted(GENERATORS))}, or the path of a "
+               f".csv file with one row of actions per rank (torch.distributed.pipelining's format).")
+        _check(stages_per_rank is None or (_is_int(stages_per_rank) and stages_per_rank >= 1),
+               f"stages_per_rank={stages_per_rank!r} ({type(stages_per_rank).__name__}): pass a positive integer "
+               f"(2 or more for schedule='interleaved_1f1b'), or None for the schedule's default.")
+        from_file = load_csv(schedule) if is_file else None  # read now: a missing or broken file fails here
+        if from_file is not None:
+            _check(microbatches in (None, from_file.num_microbatches),
+                   f"microbatches={microbatches} but the schedule file {schedule!r} runs "
+                   f"{from_file.num_microbatches} micro-batches: leave microbatches out, or write the file for "
+                   f"{microbatches}.")
+            _check(stages_per_rank in (None, from_file.stages_per_rank),
+                   f"stages_per_rank={stages_per_rank} but the schedule file {schedule!r} places "
+                   f"{from_file.stages_per_rank} stage(s) on each rank: leave stages_per_rank out.")
+            microbatches, stages_per_rank = from_file.num_microbatches, from_file.stages_per_rank
+        stages_per_rank = stages_per_rank or _DEFAULT_STAGES_PER_RANK.get(str(schedule), 1)
+        wanted = {"interleaved_1f1b": "at least 2", "zbv": "2"}.get(str(schedule), "1")
+        _check(from_file is not None or (stages_per_rank >= 2 if wanted == "at least 2" else
+                                         stages_per_rank == int(wanted)),
+               f"schedule={schedule!r} runs {wanted} stage(s) per rank, got stages_per_rank={stages_per_rank}. "
+               f"Several stages per rank need schedule='interleaved_1f1b' (any number from 2) or 'zbv' (2).")
+        self._schedule_file = from_file
         _check(pipeline_parallel_size is None or (_is_int(pipeline_parallel_size) and pipeline_parallel_size >= 1),
                f"pipeline_parallel_size={pipeline_parallel_size!r} ({type(pipeline_parallel_size).__name__}): pass "
                f"the number of stages per pipeline as a positive integer (the world size must be a multiple of it), "
@@ -217,6 +249,7 @@ class PipelineParallelStrategy(ParallelStrategy):
                f"reuse_cpu_memory={reuse_cpu_memory!r} ({type(reuse_cpu_memory).__name__}) must be True or False.")
         self.checkpoint_format = checkpoint_format
         self.schedule_name = schedule
+        self.stages_per_rank = stages_per_rank
         self._pipeline_parallel_size = pipeline_parallel_size
         self._microbatches = microbatches
         self._blocks_name = blocks if blocks is not None else sequential
@@ -321,9 +354,17 @@ class PipelineParallelStrategy(ParallelStrategy):
                f"a divisor of {world}, e.g. pipeline_parallel_size={divisor}, or change devices/num_nodes.")
         where = ("pipeline_parallel_size" if self._pipeline_parallel_size is not None
                  else "one per process: Trainer(devices=..., num_nodes=...)")
-        _check(self._balance is None or len(self._balance) == stages,
-               f"balance={self._balance} describes {len(self._balance or [])} stages but each pipeline has {stages} "
-               f"({where}). Give {stages} block counts, or make the pipeline {len(self._balance or [])} stages long.")
+        if self._schedule_file is not None:
+            _check(self._schedule_file.num_ranks == stages,
+                   f"The schedule file {self.schedule_name!r} has {self._schedule_file.num_ranks} rows (ranks) but "
+                   f"each pipeline has {stages} ({where}): run it on {self._schedule_file.num_ranks} ranks per "
+                   f"pipeline.")
+        total = stages * self.stages_per_rank
+        per_rank = f" ({self.stages_per_rank} per rank)" if self.stages_per_rank > 1 else ""
+        _check(self._balance is None or len(self._balance) == total,
+               f"balance={self._balance} describes {len(self._balance or [])} stages but each pipeline has {total}"
+               f"{per_rank} ({where}). Give {total} block counts, or make the pipeline {len(self._balance or [])} "
+               f"stages long.")
 
     @override
     def _configure_launcher(self) -> None:
@@ -368,12 +409,14 @@ class PipelineParallelStrategy(ParallelStrategy):
                 f"PipelineParallelStrategy does not support: the schedule runs forward and backward itself. Use "
                 f"automatic optimization, where Lightning calls the optimizers after the pipelined step."
             )
-        partition = self._partition = split_module(module, self._blocks_name, self._balance, self.stage,
-                                                   self.num_stages)
+        layout = self._schedule(self.microbatches, forward_only=False)  # raises for a count the schedule cannot run
+        partition = self._partition = split_module(module, self._blocks_name, self._balance,
+                                                   layout.stages_of(self.stage), layout.num_stages)
         assert self.model is not None
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
         groups = self._groups = create_groups(self.layout, self.global_rank, self._new_group)
+        groups.last_position = layout.stage_to_rank[-1]  # the pipeline rank holding the last stage
         if self.is_global_zero and self.num_replicas > 1:
             print(f"lightning_pp: {self.layout}")
         shared, shared_buffers = partition.shared_tensors(module)
@@ -404,9 +447,11 @@ class PipelineParallelStrategy(ParallelStrategy):
         pipeline_groups = groups if self.num_stages > 1 else None
         self._log_recorder.attach(module, pipeline_groups)
         if self.num_stages > 1:
-            self._p2p = StageP2P(self.stage, groups.pipeline_ranks, self.root_device, self.timeout, groups.p2p)
+            stage_ranks = [groups.pipeline_ranks[rank] for rank in layout.stage_to_rank]
+            self._p2p = StageP2P(stage_ranks, self.root_device, self.timeout, groups.p2p)
         self._driver = StepDriver(module, partition.view, self._p2p, self._log_recorder, self.root_device,
-                                  self._schedule, self.microbatches, self._microbatch_weight, pipeline_groups)
+                                  self._schedule, self.microbatches, self._microbatch_weight, pipeline_groups,
+                                  position=self.stage, shared=shared)
 
     def _setup_optimizers_on_every_stage(self, trainer: pl.Trainer) -> None:
         """``configure_optimizers`` sees only this stage's parameters, so it may fail on some stages alone (an empty
@@ -536,11 +581,18 @@ class PipelineParallelStrategy(ParallelStrategy):
     # ------------------------------------------------------------------------------------------------ the step
 
     def _schedule(self, num_microbatches: int, forward_only: bool) -> Schedule:
+        """The schedule for ``num_microbatches``; for fewer than configured (a last, partial batch) that the
+        schedule cannot run (interleaved 1F1B's rule, a file's fixed count), the largest count it can run below."""
         key = (num_microbatches, forward_only)
         if key not in self._schedules:
-            self._schedules[key] = build_schedule(
-                self.schedule_name, self.num_stages, num_microbatches, forward_only=forward_only
-            )
+            try:
+                schedule = build_schedule(self.schedule_name, self.num_stages, num_microbatches,
+                                          forward_only=forward_only, stages_per_rank=self.stages_per_rank)
+            except PipelineConfigError:
+                if num_microbatches >= self.microbatches or num_microbatches == 1:
+                    raise
+                schedule = self._schedule(num_microbatches - 1, forward_only)
+            self._schedules[key] = schedule
         return self._schedules[key]
 
     @override
@@ -632,7 +684,8 @@ class PipelineParallelStrategy(ParallelStrategy):
         """
         assert self.lightning_module is not None and self._partition is not None
         prefix = self._partition.view.container_name + "."
-        last = self.stage == self.num_stages - 1
+        view = self._partition.view
+        last = view.num_stages - 1 in view.stages
         return {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()
                 if k.startswith(prefix) or last}
 

@@ -71,6 +71,7 @@ class StageGroups:
     p2p: tuple[Any, Any]
     replicas: Any
     created: list[Any]  # every group this rank belongs to that it must destroy
+    last_position: int = -1  # the place in the pipeline of the rank holding the last stage (the schedule's choice)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> StageGroups:
         return self  # process groups are handles to this process's connections (a cloned metric keeps them)
@@ -89,7 +90,7 @@ class StageGroups:
 
     @property
     def last_stage_rank(self) -> int:
-        return self.pipeline_ranks[-1]
+        return self.pipeline_ranks[self.last_position]
 
 
 def create_groups(layout: PipelineLayout, rank: int, new_group: Callable[[list[int]], Any]) -> StageGroups:

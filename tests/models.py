@@ -421,6 +421,20 @@ class SleepLayer(nn.Module):
         return _Sleep.apply(x * self.scale, self.forward_s, self.backward_s)
 
 
+class SplitSleepLayer(nn.Module):
+    """Forward, input gradient and weight gradient each sleep ``seconds`` (F = I = W): the weight's path joins the
+    input's at the sum, so a zero-bubble schedule's W computes it apart from I."""
+
+    def __init__(self, seconds: float) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(()))  # so the input path needs a gradient on the first stage too
+        self.scale = nn.Parameter(torch.zeros(()))
+        self.seconds = seconds
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return _Sleep.apply(x * self.gain, self.seconds, self.seconds) + _Sleep.apply(self.scale, 0.0, self.seconds)
+
+
 class Sleepy(L.LightningModule):
     """One sleeping layer per stage (30 ms forward and backward per micro-batch), nothing else of note."""
 
@@ -439,6 +453,16 @@ class Sleepy(L.LightningModule):
 
 
 MODELS["sleepy2"] = lambda: Sleepy(layers=2, forward_s=0.06, backward_s=0.06)
+
+
+def _split_sleepy(layers: int, seconds: float) -> Sleepy:
+    model = Sleepy(layers=1)
+    model.layers = nn.Sequential(*[SplitSleepLayer(seconds) for _ in range(layers)])
+    return model
+
+
+# 8 layers: one per stage for 4 ranks x 2 stages (interleaved), two per stage for 4 ranks otherwise
+MODELS["split_sleepy8"] = lambda: _split_sleepy(8, 0.05)
 # 4 processes share 2 cores: longer sleeps keep the (real, ~1 ms) transfer cost small next to compute
 MODELS["sleepy4"] = lambda: Sleepy(layers=4, forward_s=0.12, backward_s=0.12)
 

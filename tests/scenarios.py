@@ -176,7 +176,7 @@ def p2p_exchange(steps: list[list[tuple[str, list[int]]]], prefetch: int = 2) ->
 
     stage = int(os.environ["LOCAL_RANK"])
     dist.init_process_group("gloo", rank=stage, world_size=WORLD_SIZE)
-    p2p = StageP2P(stage, [0, 1], torch.device("cpu"), timeout=30, prefetch=prefetch)
+    p2p = StageP2P([0, 1], torch.device("cpu"), timeout=30, prefetch=prefetch)
     received = []
     try:
         for step, tensors in enumerate(steps):

@@ -76,7 +76,7 @@ def test_encoder_decoder_is_ambiguous_and_says_so() -> None:
 
 
 def run_stage_step(model: NanoStyle, view: StageView, received: Any, stop: bool, **kwargs: Any) -> Any:
-    with view.microbatch(received, stop_after_blocks=stop):
+    with view.microbatch(view.stages[0], received, stop_after_blocks=stop):
         try:
             return model(torch.tensor([[1, 2, 3]]), **kwargs)
         except StageOutput as end:
@@ -91,8 +91,8 @@ def test_two_stages_in_one_process_equal_the_whole_model() -> None:
     first.load_state_dict(whole.state_dict())
     last.load_state_dict(whole.state_dict())
     ranges = [range(0, 3), range(3, 4)]
-    first_view = StageView("transformer.h", first.transformer["h"], 0, ranges)
-    last_view = StageView("transformer.h", last.transformer["h"], 1, ranges)
+    first_view = StageView("transformer.h", first.transformer["h"], [0], ranges)
+    last_view = StageView("transformer.h", last.transformer["h"], [1], ranges)
     # stand-ins hold no weights; state-dict keys keep their full-model names
     assert sorted({k.split(".")[2] for k in last.state_dict() if k.startswith("transformer.h.")}) == ["3"]
     assert len(last.blocks) == 4
@@ -108,7 +108,7 @@ def test_two_stages_in_one_process_equal_the_whole_model() -> None:
 
 def test_stand_in_attribute_error_names_the_stage() -> None:
     model = NanoStyle()
-    StageView("transformer.h", model.transformer["h"], 1, [range(0, 2), range(2, 4)])
+    StageView("transformer.h", model.transformer["h"], [1], [range(0, 2), range(2, 4)])
     stand_in = model.blocks[0]
     assert stand_in.attention_type == "causal"
     assert not hasattr(stand_in, "linear")
@@ -118,9 +118,9 @@ def test_stand_in_attribute_error_names_the_stage() -> None:
 
 def test_in_place_first_block_gets_a_fresh_tensor() -> None:
     blocks = nn.Sequential(nn.Linear(3, 3), nn.ReLU(inplace=True), nn.Linear(3, 3))
-    view = StageView("blocks", blocks, 1, [range(0, 1), range(1, 3)])
+    view = StageView("blocks", blocks, [1], [range(0, 1), range(1, 3)])
     received = torch.randn(2, 3).requires_grad_()
-    with view.microbatch(received, stop_after_blocks=False):
+    with view.microbatch(1, received, stop_after_blocks=False):
         blocks(torch.zeros(2, 3)).sum().backward()
     assert received.grad is not None
 

@@ -46,7 +46,12 @@ def test_split_batch_errors() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"schedule": "interleaved"}, r"Unknown schedule 'interleaved'. Valid schedules: 1f1b, gpipe, naive"),
+        ({"schedule": "interleaved"}, r"Unknown schedule 'interleaved'. Valid schedules: 1f1b, gpipe, "
+                                      r"interleaved_1f1b, naive, zb_h1, zbv, or the path of a \.csv file"),
+        ({"schedule": "missing.csv"}, r"Schedule file 'missing.csv' does not exist"),
+        ({"schedule": "interleaved_1f1b", "stages_per_rank": 1}, r"runs at least 2 stage\(s\) per rank"),
+        ({"schedule": "1f1b", "stages_per_rank": 2}, r"Several stages per rank need schedule='interleaved_1f1b'"),
+        ({"stages_per_rank": 0}, r"stages_per_rank=0 \(int\): pass a positive integer"),
         ({"microbatches": 0}, r"microbatches=0 \(int\): pass a positive integer"),
         ({"microbatches": True}, r"microbatches=True \(bool\): pass a positive integer"),
         ({"microbatches": 2.0}, r"microbatches=2.0 \(float\)"),

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -229,3 +230,36 @@ def test_example_transformer_gradients_and_losses_match_single_device() -> None:
         # its perplexity, exp(loss), is logged with reduce_fx="mean": the mean over micro-batches of exp(micro-batch
         # loss), not exp(batch loss) (README, Limits), so only the loss is compared
         assert_trains_like(ranks, 0, run, expected, f"gpt on {world_size} stages", logged=("train_loss",))
+
+
+def torch_interleaved_csv(path: Path, ranks: int, stages_per_rank: int, microbatches: int) -> str:
+    """The CSV torch.distributed.pipelining writes for its own ScheduleInterleaved1F1B (built without a process group:
+    its constructor reads only these attributes of its stages)."""
+    from types import SimpleNamespace
+
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B
+
+    stages = [SimpleNamespace(submod=torch.nn.Identity(), num_stages=ranks * stages_per_rank, group_size=ranks,
+                              group_rank=0, stage_index=k * ranks) for k in range(stages_per_rank)]
+    ScheduleInterleaved1F1B(stages, microbatches)._dump_csv(str(path), format="compute_comms")  # type: ignore[arg-type]
+    return str(path)
+
+
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_schedules_beyond_1f1b_match_single_device(world_size: int, tmp_path: Path) -> None:
+    """interleaved_1f1b (2 stages per rank), zb_h1 (backward split into input and weight gradients) and zbv (both), at
+    several micro-batch counts, and a schedule torch wrote as CSV; the tied models where they have enough blocks."""
+    p = world_size
+    runs = [pipelined("mlp", schedule=s, microbatches=m)
+            for s, counts in (("interleaved_1f1b", [p, 2 * p]), ("zb_h1", [p, 2 * p, 3]), ("zbv", [2 * p]))
+            for m in counts]
+    runs += [pipelined("tied_sgd", schedule="zb_h1", microbatches=p), pipelined("tied", schedule="zb_h1",
+                                                                               microbatches=2 * p)]
+    if world_size == 2:  # 4 blocks: 2 stages per rank only fit on 2 ranks
+        runs += [pipelined("tied_sgd", schedule="interleaved_1f1b", microbatches=p),
+                 pipelined("tied_sgd", schedule="zbv", microbatches=2 * p)]
+    runs.append(pipelined("mlp", schedule=torch_interleaved_csv(tmp_path / "torch.csv", p, 2, 2 * p)))
+    ranks = launch(world_size, runs, timeout=380)
+    for index, run in enumerate(runs):
+        label = f"{world_size} ranks {run['kwargs']}"
+        assert_trains_like(ranks, index, run, reference(run["kwargs"]["model"]), label)

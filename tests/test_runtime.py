@@ -35,8 +35,8 @@ def one_stage_step(clock: HostClock, sleep_s: float) -> list[TimelineEvent]:
         return (weight * (mb + 1)).sum()
 
     events: list[TimelineEvent] = []
-    actions = build_schedule("gpipe", 1, 2).actions[0]
-    run_stage(actions, forward, None, is_last=True, training=True, events=events, clock=clock)
+    run_stage(build_schedule("gpipe", 1, 2), 0, lambda stage, mb, received: forward(mb, received), None,
+              training=True, events=events, clock=clock)
     assert weight.grad is not None
     assert torch.equal(weight.grad, torch.full((3,), 3.0))  # both micro-batches back-propagated
     return events

@@ -39,16 +39,17 @@ class Partition:
 _PARTITIONS: weakref.WeakKeyDictionary[nn.Module, Partition] = weakref.WeakKeyDictionary()
 
 
-def split_module(module: nn.Module, blocks: str | None, balance: Sequence[int] | None, stage: int,
+def split_module(module: nn.Module, blocks: str | None, balance: Sequence[int] | None, stages: Sequence[int],
                  num_stages: int) -> Partition:
-    """Keep only ``stage``'s blocks of the container (the others become stand-ins); everything else stays."""
+    """Keep only the blocks of ``stages`` (this rank's) of the container (the others become stand-ins); everything
+    else stays."""
     existing = _PARTITIONS.get(module)
     if existing is not None:
         view = existing.view
-        if (view.stage, view.num_stages) != (stage, num_stages):
+        if (view.stages, view.num_stages) != (tuple(stages), num_stages):
             raise PipelineConfigError(
-                f"`{view.container_name}` was already split for stage {view.stage} of {view.num_stages}; this run is "
-                f"stage {stage} of {num_stages}. Build a fresh module for a new layout."
+                f"`{view.container_name}` was already split for stages {list(view.stages)} of {view.num_stages}; this "
+                f"run holds stages {list(stages)} of {num_stages}. Build a fresh module for a new layout."
             )
         return existing
     name, container = find_blocks(module, blocks)
@@ -59,10 +60,10 @@ def split_module(module: nn.Module, blocks: str | None, balance: Sequence[int] |
     _check_no_shared_parameters(module, name, container, ranges)
     full_param_order = {n: i for i, (n, _) in enumerate(module.named_parameters())}
     full_state_keys = list(module.state_dict())
-    partition = Partition(StageView(name, container, stage, ranges), full_param_order, full_state_keys)
+    partition = Partition(StageView(name, container, stages, ranges), full_param_order, full_state_keys)
     _PARTITIONS[module] = partition
-    log.info(f"Pipeline stage {stage}: blocks {ranges[stage].start}-{ranges[stage].stop - 1} of `{name}` "
-             f"({num_blocks} blocks)")
+    held = ", ".join(f"stage {s}: blocks {ranges[s].start}-{ranges[s].stop - 1}" for s in stages)
+    log.info(f"This rank holds {held} of `{name}` ({num_blocks} blocks)")
     return partition
 
 

@@ -16,7 +16,8 @@ Sequential, loops, enumerates, slices or takes ``len()``, and state-dict keys ke
 from __future__ import annotations
 
 import enum
-from collections.abc import Callable, Iterator
+import functools
+from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
@@ -76,14 +77,17 @@ class _StandIn(nn.Module):
 
 
 class StageView:
-    """Installs and drives the stand-ins and the hooks of one stage; ``ranges[s]`` are the blocks stage ``s`` holds."""
+    """Installs and drives the stand-ins and the hooks of one rank, which holds ``stages`` (``ranges[s]`` are the blocks
+    of stage ``s``). A pass runs one of them, :attr:`stage`: the blocks of the rank's other stages are stand-ins then.
+    """
 
-    def __init__(self, container_name: str, container: nn.Module, stage: int, ranges: list[range]) -> None:
+    def __init__(self, container_name: str, container: nn.Module, stages: Sequence[int], ranges: list[range]) -> None:
         self.container_name = container_name
         self.container = container
-        self.stage = stage
+        self.stages = tuple(stages)
+        self.stage = self.stages[0]  # the stage the current (or next) pass runs
+        self.ranges = ranges
         self.num_stages = len(ranges)
-        self.local = ranges[stage]
         self.mode = Mode.OFF
         self.stop_after_blocks = False  # set per pass: end the step after this stage's last block
         self.last_block_calls = 0  # how often this stage's last block ran in the current pass
@@ -94,18 +98,31 @@ class StageView:
         self.keys = _compat.child_names(container)
         owner = {i: s for s, blocks in enumerate(ranges) for i in blocks}
         self._local_blocks: dict[str, nn.Module] = {}
-        self._finish_stand_ins: dict[str, _StandIn] = {}
+        self._stand_ins: dict[str, _StandIn] = {}  # for this rank's own blocks, when a pass or the finish needs them
         for i, key in enumerate(self.keys):
             block = getattr(container, key)
             stand_in = _StandIn(block, i, owner[i], self)
-            if i in self.local:
+            if owner[i] in self.stages:
                 self._local_blocks[key] = block
-                self._finish_stand_ins[key] = stand_in
+                self._stand_ins[key] = stand_in
             else:
                 container.register_module(key, stand_in)
-        first, last = self._local_blocks[self.keys[self.local[0]]], self._local_blocks[self.keys[self.local[-1]]]
-        first.register_forward_pre_hook(self._before_first_block)
-        last.register_forward_hook(self._after_last_block)
+        for stage in self.stages:
+            first, last = self._block(ranges[stage][0]), self._block(ranges[stage][-1])
+            first.register_forward_pre_hook(functools.partial(self._before_first_block, stage))
+            last.register_forward_hook(functools.partial(self._after_last_block, stage))
+
+    @property
+    def local(self) -> range:
+        """The blocks of the stage the current pass runs."""
+        return self.ranges[self.stage]
+
+    def blocks_of(self, stage: int) -> list[nn.Module]:
+        """The real blocks of ``stage``, one of this rank's."""
+        return [self._block(i) for i in self.ranges[stage]]
+
+    def _block(self, index: int) -> nn.Module:
+        return self._local_blocks[self.keys[index]]
 
     def local_blocks(self) -> list[nn.Module]:
         return list(self._local_blocks.values())
@@ -130,14 +147,14 @@ class StageView:
             self._handed = map_tensors(self._received, lambda t: t.clone() if t.requires_grad else t)
         return self._handed
 
-    def _before_first_block(self, module: nn.Module, args: Any) -> None:
-        if self.mode is Mode.MICROBATCH:
+    def _before_first_block(self, stage: int, module: nn.Module, args: Any) -> None:
+        if self.mode is Mode.MICROBATCH and stage == self.stage:
             self._received = None  # stand-ins after this point mean the step runs the blocks out of order
             if self.on_blocks_start is not None:
                 self.on_blocks_start()
 
-    def _after_last_block(self, module: nn.Module, args: Any, output: Any) -> None:
-        if self.mode is not Mode.MICROBATCH:
+    def _after_last_block(self, stage: int, module: nn.Module, args: Any, output: Any) -> None:
+        if self.mode is not Mode.MICROBATCH or stage != self.stage:
             return
         self.last_block_calls += 1
         if self.last_block_calls > 1:
@@ -149,24 +166,30 @@ class StageView:
             raise StageOutput(output)
 
     @contextmanager
-    def microbatch(self, received: Any, stop_after_blocks: bool) -> Iterator[None]:
-        """Run the user's step for one micro-batch: stand-ins hand on ``received``."""
+    def microbatch(self, stage: int, received: Any, stop_after_blocks: bool) -> Iterator[None]:
+        """Run the user's step for one micro-batch through ``stage``: stand-ins hand on ``received``."""
+        others = [key for other in self.stages if other != stage for key in (self.keys[i] for i in self.ranges[other])]
+        self._swap(others, to_stand_ins=True)
+        self.stage = stage
         self.mode, self._received, self._handed = Mode.MICROBATCH, received, None
         self.stop_after_blocks, self.last_block_calls = stop_after_blocks, 0
         try:
             yield
         finally:
             self.mode, self._received, self._handed = Mode.OFF, None, None
+            self._swap(others, to_stand_ins=False)
 
     @contextmanager
     def finishing(self, joined: Any) -> Iterator[None]:
-        """Run the user's step once on the whole batch: every block, this stage's too, returns ``joined``."""
-        for key, stand_in in self._finish_stand_ins.items():
-            self.container.register_module(key, stand_in)
+        """Run the user's step once on the whole batch: every block, this rank's too, returns ``joined``."""
+        self._swap(list(self._local_blocks), to_stand_ins=True)
         self.mode, self._received, self._handed = Mode.FINISH, joined, joined
         try:
             yield
         finally:
             self.mode, self._received, self._handed = Mode.OFF, None, None
-            for key, block in self._local_blocks.items():
-                self.container.register_module(key, block)
+            self._swap(list(self._local_blocks), to_stand_ins=False)
+
+    def _swap(self, keys: list[str], to_stand_ins: bool) -> None:
+        for key in keys:
+            self.container.register_module(key, self._stand_ins[key] if to_stand_ins else self._local_blocks[key])

@@ -49,8 +49,7 @@ class StepRandomness:
     step itself uses no randomness, the same as on one device.
     """
 
-    def __init__(self, stage: int, device: torch.device) -> None:
-        self.stage = stage
+    def __init__(self, device: torch.device) -> None:
         self.device = device
         self._base = b""
 
@@ -73,8 +72,8 @@ class StepRandomness:
             self._seed(microbatch + 1)
             yield
 
-    def blocks_start(self, microbatch: int) -> None:
-        self._seed(microbatch + 1, self.stage + 1)
+    def blocks_start(self, microbatch: int, stage: int) -> None:
+        self._seed(microbatch + 1, stage + 1)
 
 
 class StepDriver:
@@ -82,7 +81,8 @@ class StepDriver:
 
     def __init__(self, module: pl.LightningModule, view: StageView, p2p: StageP2P | None, recorder: LogRecorder,
                  device: torch.device, schedule_for: Callable[[int, bool], Schedule], microbatches: int,
-                 microbatch_weight: Callable[[Any], Any] | None = None, groups: StageGroups | None = None) -> None:
+                 microbatch_weight: Callable[[Any], Any] | None = None, groups: StageGroups | None = None,
+                 position: int = 0, shared: list[torch.nn.Parameter] | None = None) -> None:
         self.module = module
         self.view = view
         self.p2p = p2p
@@ -92,8 +92,11 @@ class StepDriver:
         self.microbatches = microbatches
         self.microbatch_weight = microbatch_weight
         self.groups = groups  # None with one stage
-        self.stage, self.num_stages = view.stage, view.num_stages
-        self.randomness = StepRandomness(self.stage, device)
+        self.position = position  # this rank's place in its pipeline (the rank of its schedule)
+        self.last_stage = view.num_stages - 1
+        self.holds_last = self.last_stage in view.stages
+        self.shared = shared or []  # weights outside the blocks, which every stage's pass may use
+        self.randomness = StepRandomness(device)
         self.steps_run = 0  # pipelined steps so far (the same count on every stage): seeds their random numbers
         self.last_schedule: Schedule | None = None
         # this step's gradients, handed to Lightning in the strategy's `backward`
@@ -109,30 +112,32 @@ class StepDriver:
         training = step_name == "training_step"
         user_step = getattr(module, step_name)
         batch, rest = args[0], args[1:]
-        microbatches, sizes = split_batch(batch, self._microbatch_count(batch))
+        schedule = self.schedule_for(self._microbatch_count(batch), not training)
+        microbatches, sizes = split_batch(batch, schedule.num_microbatches)
         total = sum(sizes)
         shares = self._shares(microbatches, sizes) if training else [float(size) for size in sizes]
         weights = [share / sum(shares) / accumulation for share in shares]
-        last = self.stage == self.num_stages - 1
-        stop_after_blocks = not (last and training)
+        last = self.holds_last
         losses: dict[int, Tensor] = {}  # training: the last stage's micro-batch losses
         extras: dict[int, dict[str, Any]] = {}  # training: the other entries of a dict training_step returned
         block_outputs: dict[int, Any] = {}  # evaluation on the last stage: what the blocks gave per micro-batch
 
-        def forward(mb: int, received: Any) -> Any:
-            view.on_blocks_start = lambda: self.randomness.blocks_start(mb)
-            recording = self.recorder.recording(module, mb if last and training else None)
-            with view.microbatch(received, stop_after_blocks), self.randomness.pass_(mb), recording:
+        def forward(stage: int, mb: int, received: Any) -> Any:
+            last_pass = stage == self.last_stage
+            stop_after_blocks = not (last_pass and training)
+            view.on_blocks_start = lambda: self.randomness.blocks_start(mb, stage)
+            recording = self.recorder.recording(module, mb if last_pass and training else None)
+            with view.microbatch(stage, received, stop_after_blocks), self.randomness.pass_(mb), recording:
                 try:
                     output = user_step(microbatches[mb], *rest, **kwargs)
                 except StageOutput as end:
-                    if not last:
+                    if not last_pass:
                         return end.output
                     block_outputs[mb] = end.output
                     return _NOTHING
             if stop_after_blocks or view.last_block_calls == 0:
                 raise PipelineConfigError(
-                    f"{step_name} returned on pipeline stage {self.stage} without running its blocks "
+                    f"{step_name} returned on pipeline stage {stage} without running its blocks "
                     f"{view.local.start}-{view.local.stop - 1} of `{view.container_name}`. A pipelined step must run "
                     f"every block of the container once per micro-batch (through the model's forward or a loop)."
                 )
@@ -148,7 +153,6 @@ class StepDriver:
                 extras[mb] = {k: v.detach() if isinstance(v, Tensor) else v for k, v in output.items() if k != "loss"}
             return scaler.scale(loss * weights[mb]) if scaler is not None else loss * weights[mb]
 
-        schedule = self.schedule_for(len(microbatches), not training)
         events: list[TimelineEvent] | None = [] if training and timing_sink is not None else None
         params: list[torch.nn.Parameter] = []
         previous: list[Tensor | None] = []
@@ -163,8 +167,8 @@ class StepDriver:
         self.steps_run += 1
         self.randomness.begin_step(self.steps_run)
         try:
-            run_stage(schedule.actions[self.stage], forward, self.p2p, is_last=last, training=training, events=events,
-                      clock=step_clock(self.device) if events is not None else None)
+            run_stage(schedule, self.position, forward, self.p2p, training=training, params=self._parameters_of,
+                      events=events, clock=step_clock(self.device) if events is not None else None)
         finally:
             view.on_blocks_start = None
         if training:
@@ -198,6 +202,11 @@ class StepDriver:
         loss = torch.tensor(result, dtype=torch.get_default_dtype(), device=self.device)
         # what training_step returned on one device: the loss, and any other entries merged over micro-batches
         return {"loss": loss, **move_data_to_device(extra, self.device)} if extra else loss
+
+    def _parameters_of(self, stage: int) -> list[torch.nn.Parameter]:
+        """The weights a pass through ``stage`` can reach: its blocks' and those outside the blocks."""
+        blocks = self.view.blocks_of(stage)
+        return [p for block in blocks for p in block.parameters()] + self.shared
 
     def _shares(self, microbatches: list[Any], sizes: list[int]) -> list[float]:
         """Each micro-batch's share of the batch's loss: its samples, or what ``microbatch_weight`` says."""
