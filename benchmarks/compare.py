@@ -9,8 +9,10 @@ schedules ``--schedules``; ``--stages`` stages, 8 micro-batches). Every runner r
 
 1. **lightning_pp**: the LightningModule trained by ``L.Trainer(accelerator=..., devices=p,
    strategy=PipelineParallelStrategy(schedule=..., microbatches=8), max_steps=N + 1)`` in ``p`` processes.
-2. **torch.distributed.pipelining**: the same layers split by hand (``8 / p`` consecutive blocks per rank),
-   ``PipelineStage`` + ``ScheduleGPipe``/``Schedule1F1B`` with ``n_microbatches=8, loss_fn=mse``, in a plain loop
+2. **torch.distributed.pipelining**: the same layers split by hand (``8 / p`` consecutive blocks per rank; for
+   ``interleaved_1f1b`` 2 stages of ``4 / p`` blocks per rank, round-robin as ours), ``PipelineStage`` +
+   ``ScheduleGPipe`` / ``Schedule1F1B`` / ``ScheduleInterleaved1F1B`` / ``ScheduleInterleavedZeroBubble`` (ZB-H1 with
+   one stage per rank) with ``n_microbatches=8, loss_fn=mse``, in a plain loop
    (next batch, copy to the device, ``schedule.step``, ``optimizer.step``/``zero_grad``) in ``p`` processes.
    Not for the GPT: its head is tied to the token embedding, one weight on the first and the last stage, which
    ``PipelineStage`` cannot express.
@@ -37,7 +39,7 @@ launched as subprocesses the way torchrun would (``MASTER_ADDR``, ``MASTER_PORT`
 
 Definitions (``p`` stages, ``m`` micro-batches, ``T_single`` the single-process median step time):
 
-- **step time**: wall time on rank 0 (first stage, which finishes last in both schedules) from the start of one
+- **step time**: wall time on rank 0 (first stage, which finishes last in every schedule here) from the start of one
   step to the start of the next (``time.perf_counter``; on GPU after ``torch.cuda.synchronize``, so that the clock
   covers the queued kernels). Every runner is timed by this same window, so that each pays for everything its loop
   does per step: fetching and collating the batch from the ``DataLoader``, copying it to the device, the
@@ -50,8 +52,10 @@ Definitions (``p`` stages, ``m`` micro-batches, ``T_single`` the single-process 
   batch, so its window holds the next batch's loading rather than its own: the same work per step.) Reported:
   median over the steps after the first ``--warmup`` (default 3) of every launch, with min-max.
 - **ratio to torch**: median step of the runner / median step of torch.distributed.pipelining, same schedule.
-- **ideal**: ``T_single * (m + p - 1) / (m * p)``, the step time of a perfect ``p``-way split of the work with the
-  unavoidable fill/drain bubble of ``p - 1`` micro-batch slots and no other cost.
+- **ideal**: ``T_single / p / (1 - b)``, the step time of a perfect ``p``-way split of the work with only the
+  schedule's own bubble ``b``: the simulator's, at forward = input gradient = weight gradient (a backward twice a
+  forward). For GPipe and 1F1B that is ``T_single * (m + p - 1) / (m * p)``; interleaved 1F1B (2 stages per rank)
+  and ZB-H1 have smaller bubbles, ``(p - 1) / (2m + p - 1)`` and ``(p - 1) / (3m + p - 1)``.
 - **efficiency**: ``ideal / median step`` (1.0 = only the schedule's bubble is paid).
 - **overhead per micro-batch**: ``(median step - ideal) / m``: everything beyond the ideal pipelined step
   (communication, framework code, the cost of smaller matmuls on micro-batches), spread over the micro-batches, in
@@ -101,6 +105,7 @@ RUNNER_LABELS = {  # --runners name -> label in the table
 PIPELINE_RUNNERS = ("torch", "torch_kept", "lightning")
 CPU_ONLY_RUNNERS = ("torch_kept",)  # the glibc allocator setting has nothing to do on a GPU
 MICROBATCHES = 8
+STAGES_PER_RANK = {"interleaved_1f1b": 2}  # the schedules that hold more than one stage per rank
 BATCH = 128
 LR = 0.01
 RESULTS_DIR = Path(__file__).resolve().parent / "results"
@@ -178,6 +183,15 @@ def to_device(batch: Any, device: Any) -> Any:
     if isinstance(batch, torch.Tensor):
         return batch.to(device, non_blocking=True)
     return [tensor.to(device, non_blocking=True) for tensor in batch]
+
+
+def ideal_bubble(schedule: str, ranks: int) -> float:
+    """The bubble of ``schedule`` alone: simulated with forward = input gradient = weight gradient, free transfers."""
+    from lightning_pp.schedules import build_schedule
+    from lightning_pp.simulate import action_costs, simulate
+
+    built = build_schedule(schedule, ranks, MICROBATCHES, stages_per_rank=STAGES_PER_RANK.get(schedule, 1))
+    return simulate(built, action_costs()).bubble_fraction()
 
 
 def step_windows(marks: list[float]) -> list[float]:
@@ -349,6 +363,7 @@ def worker_torch(run: dict[str, Any], rank: int) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
+    from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble
     from torch.nn.parallel import DistributedDataParallel
 
     device = run_device(run)
@@ -356,15 +371,25 @@ def worker_torch(run: dict[str, Any], rank: int) -> dict[str, Any]:
     stages, replicas = run["stages"], run["replicas"]
     index, replica = rank // replicas, rank % replicas  # lightning_pp's layout: a stage's replicas side by side
     pipeline_group, replica_group = pipeline_and_replica_groups(stages, replicas, rank)
-    per_stage = NUM_LAYERS // stages
-    submodule = layers[index * per_stage:(index + 1) * per_stage].to(device)
-    stage_module = (DistributedDataParallel(submodule, process_group=replica_group) if replicas > 1 else submodule)
-    stage = PipelineStage(stage_module, stage_index=index, num_stages=stages, device=device, group=pipeline_group)
-    schedule_cls = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[run["schedule"]]
-    schedule = schedule_cls(stage, n_microbatches=MICROBATCHES, loss_fn=F.mse_loss)
+    per_rank = STAGES_PER_RANK.get(run["schedule"], 1)
+    total = stages * per_rank  # round-robin: this rank holds stages index, index + stages, ...
+    held = [index + k * stages for k in range(per_rank)]
+    per_stage = NUM_LAYERS // total
+    submodule = torch.nn.ModuleList(layers[s * per_stage:(s + 1) * per_stage] for s in held).to(device)
+    pipeline_stages: list[Any] = [
+        PipelineStage(DistributedDataParallel(part, process_group=replica_group) if replicas > 1 else part,
+                      stage_index=s, num_stages=total, device=device, group=pipeline_group)
+        for s, part in zip(held, submodule, strict=True)
+    ]
+    if run["schedule"] in ("gpipe", "1f1b"):
+        single = {"gpipe": ScheduleGPipe, "1f1b": Schedule1F1B}[run["schedule"]]
+        schedule: Any = single(pipeline_stages[0], n_microbatches=MICROBATCHES, loss_fn=F.mse_loss)
+    else:  # one class runs several stages per rank, or zero bubble (with one stage per rank: ZB-H1)
+        multi = {"interleaved_1f1b": ScheduleInterleaved1F1B, "zb_h1": ScheduleInterleavedZeroBubble}
+        schedule = multi[run["schedule"]](pipeline_stages, n_microbatches=MICROBATCHES, loss_fn=F.mse_loss)
     opt = torch.optim.SGD(submodule.parameters(), lr=LR)
     meter = step_memory_meter(submodule, device)
-    is_first, is_last = index == 0, index == stages - 1
+    is_first, is_last = 0 in held, total - 1 in held
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         losses: list[torch.Tensor] = []
@@ -649,7 +674,7 @@ def build_rows(results: dict[str, dict[Config, PerRank]], models: list[tuple[str
         torch_res = first_rank("torch", config)
         torch_stats = summarize(torch_res["times"]) if torch_res else None
         ts = t_single.get((model, hidden))
-        ideal = ts * (m + p - 1) / (m * p) if ts is not None else None
+        ideal = ts / p / (1 - ideal_bubble(schedule, p)) if ts is not None else None
         for kind in PIPELINE_RUNNERS:
             if config not in results.get(kind, {}):  # runner not measured (--runners, device, or the GPT for torch)
                 continue
@@ -715,7 +740,10 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
                         help="MLP hidden sizes (default 512 1024)")
     parser.add_argument("--gpt", action=argparse.BooleanOptionalAction, default=True,
                         help="also measure the GPT-style example model (default on)")
-    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"], choices=["gpipe", "1f1b"])
+    parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"],
+                        choices=["gpipe", "1f1b", "interleaved_1f1b", "zb_h1"],
+                        help="interleaved_1f1b runs 2 stages per rank (torch: ScheduleInterleaved1F1B), zb_h1 one "
+                             "(torch: ScheduleInterleavedZeroBubble)")
     parser.add_argument("--device", choices=["auto", "cpu", "cuda"], default="auto",
                         help="cpu (gloo) or cuda (NCCL, one GPU per stage); auto: cuda with 2 or more GPUs")
     parser.add_argument("--stages", type=int, nargs="+", choices=[2, 4, 8],
