@@ -591,6 +591,12 @@ class PipelineParallelStrategy(ParallelStrategy):
             except PipelineConfigError:
                 if num_microbatches >= self.microbatches or num_microbatches == 1:
                     raise
+                if self._schedule_file is not None:
+                    raise PipelineConfigError(
+                        f"The schedule file {self.schedule_name!r} runs {self.microbatches} micro-batches, but a "
+                        f"batch has only {num_microbatches} samples. Use batches of at least {self.microbatches} "
+                        f"samples (DataLoader(drop_last=True) for a short last batch), or a generated schedule."
+                    ) from None
                 schedule = self._schedule(num_microbatches - 1, forward_only)
             self._schedules[key] = schedule
         return self._schedules[key]

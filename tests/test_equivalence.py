@@ -251,7 +251,7 @@ def test_schedules_beyond_1f1b_match_single_device(world_size: int, tmp_path: Pa
     several micro-batch counts, and a schedule torch wrote as CSV; the tied models where they have enough blocks."""
     p = world_size
     runs = [pipelined("mlp", schedule=s, microbatches=m)
-            for s, counts in (("interleaved_1f1b", [p, 2 * p]), ("zb_h1", [p, 2 * p, 3]), ("zbv", [2 * p]))
+            for s, counts in (("interleaved_1f1b", [p, 2 * p]), ("zb_h1", [p, 2 * p, 3]), ("zbv", [p, 2 * p]))
             for m in counts]
     runs += [pipelined("tied_sgd", schedule="zb_h1", microbatches=p), pipelined("tied", schedule="zb_h1",
                                                                                microbatches=2 * p)]
