@@ -52,23 +52,26 @@ def mark_metric_updated(metric: Any, counted: bool, forward_value: torch.Tensor 
         metric._forward_cache = forward_value
 
 
-def weights_off_the_input_path(outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-                               params: list[torch.nn.Parameter]) -> list[torch.nn.Parameter]:
-    """The ``params`` in ``outputs``' autograd graph whose gradient path never meets ``inputs``' (torch's zero-bubble
-    split, below, leaves their gradients out)."""
+def split_backward_applies(outputs: list[torch.Tensor], inputs: list[torch.Tensor],
+                           params: list[torch.nn.Parameter]) -> bool:
+    """Whether torch's input/weight split (below) gives every gradient: each output depends on the inputs, and each
+    weight in the graph reaches it through a node on the inputs' paths (torch leaves the others out silently)."""
     from torch.distributed.pipelining._backward import (
         _get_grad_fn_or_grad_acc,
         construct_reverse_graph,
         get_param_groups,
+        reverse_closure,
     )
 
-    reverse = construct_reverse_graph([n for n in map(_get_grad_fn_or_grad_acc, outputs) if n is not None])
-    nodes = {id(p): _get_grad_fn_or_grad_acc(p) for p in params}
-    in_graph = [p for p in params if nodes[id(p)] in reverse]  # before get_param_groups adds keys to the defaultdict
+    roots = [n for n in map(_get_grad_fn_or_grad_acc, outputs) if n is not None]
+    reverse = construct_reverse_graph(roots)
     input_nodes = [n for n in map(_get_grad_fn_or_grad_acc, inputs) if n is not None]
-    groups = get_param_groups(input_nodes, [node for p in in_graph if (node := nodes[id(p)]) is not None], reverse)
-    covered = {node for group in groups for node in group["params"]}
-    return [p for p in in_graph if nodes[id(p)] not in covered]
+    nodes = [n for n in map(_get_grad_fn_or_grad_acc, params) if n is not None and n in reverse]  # before the lookups
+    inputs_closure, _ = reverse_closure(input_nodes, set(), reverse)  # below add keys to the defaultdict
+    if not all(root in inputs_closure for root in roots):
+        return False
+    covered = {node for group in get_param_groups(input_nodes, nodes, reverse) for node in group["params"]}
+    return all(node in covered for node in nodes)
 
 
 def backward_input(outputs: list[torch.Tensor], output_grads: list[torch.Tensor] | None,
@@ -77,6 +80,8 @@ def backward_input(outputs: list[torch.Tensor], output_grads: list[torch.Tensor]
     (the gradients where each weight's path leaves the input's)."""
     from torch.distributed.pipelining._backward import stage_backward_input
 
+    # torch detaches the outputs in place at the end, which a view refuses: hand it a copy of those
+    outputs = [t.clone() if t._base is not None else t for t in outputs]
     return stage_backward_input(outputs, output_grads, inputs, iter(params))
 
 
@@ -106,6 +111,6 @@ __all__ = [
     "mark_metric_updated",
     "metric_forward_value",
     "replace_metric_sync",
+    "split_backward_applies",
     "sync_metric_states",
-    "weights_off_the_input_path",
 ]

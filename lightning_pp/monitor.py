@@ -67,8 +67,9 @@ class PipelineMonitor(pl.Callback):
       ``idle_ms`` are logged when each rank holds one stage; a rank's time is not split between its stages.
     - ``pipeline/rank{r}/bubble_fraction``: share of the step's wall time pipeline rank ``r`` computed nothing (for
       one stage per rank, the same as stage ``r``'s).
-    - ``pipeline/stage{s}/grad_sync_ms``: after the schedule, averaging the stage's gradients over its data-parallel
-      replicas and summing those of weights held by every stage (the slowest replica; not part of ``step_ms``).
+    - ``pipeline/rank{r}/grad_sync_ms``: after the schedule, averaging pipeline rank ``r``'s gradients over its
+      data-parallel replicas and summing those of weights held by every stage (the slowest replica; not part of
+      ``step_ms``).
     - ``pipeline/bubble_fraction``: the same over all ranks, the headline number.
     - ``pipeline/predicted_bubble_fraction``: the simulator's bubble for this schedule, fed with the measured costs
       of every action; ``pipeline/bubble_fraction_error`` is measured minus predicted.
@@ -173,7 +174,7 @@ class PipelineMonitor(pl.Callback):
         # the pipeline of replica 0 (the others run the same schedule on other samples)
         rows = ([(e.stage, e.rank, str(e.action), e.category, e.start, e.end) for e in events]
                 if strategy.replica == 0 else [])
-        mine = (strategy.stage, rows, grad_sync_ms)
+        mine = (strategy.stage, rows, grad_sync_ms)  # strategy.stage: this rank's place in its pipeline
         gathered: list[Any] = [mine]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             gathered = [None] * dist.get_world_size() if trainer.is_global_zero else []
@@ -188,7 +189,7 @@ class PipelineMonitor(pl.Callback):
             offset = self._clock_offsets[rank] if rank < len(self._clock_offsets) else 0.0
             timeline.events += [TimelineEvent(s, Action.parse(a), c, b - offset, e - offset, rank=r)
                                 for s, r, a, c, b, e in rank_rows]
-            if rank_sync_ms is not None:  # the slowest replica of the stage
+            if rank_sync_ms is not None:  # the slowest replica of the pipeline rank
                 sync_ms[stage] = max(sync_ms.get(stage, 0.0), rank_sync_ms)
         predicted = simulate(schedule, _measured_costs(timeline))
         metrics = stage_metrics(timeline, predicted, self._samples, sync_ms)
@@ -224,7 +225,9 @@ class PipelineMonitor(pl.Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero and not trainer.loggers and self.history:
-            print(summary_table(self.history, self._strategy(trainer).num_stages))
+            schedule = self._strategy(trainer).last_schedule
+            assert schedule is not None  # there is history: a measured training step ran
+            print(summary_table(self.history, schedule.stage_to_rank))
 
 
 def _measured_costs(timeline: Timeline) -> Any:
@@ -263,10 +266,10 @@ def stage_metrics(measured: Timeline, predicted: Timeline, samples: int,
             busy = forward + backward + backward_input + backward_weight + wait + transfer
             metrics[prefix + "idle_ms"] = 1e3 * max(0.0, wall - busy)
             metrics[prefix + "bubble_fraction"] = measured.bubble_fraction(stage)
-        if grad_sync_ms and stage in grad_sync_ms:
-            metrics[prefix + "grad_sync_ms"] = grad_sync_ms[stage]
     for rank in range(measured.num_ranks):
         metrics[f"pipeline/rank{rank}/bubble_fraction"] = measured.bubble_fraction(rank)
+        if grad_sync_ms and rank in grad_sync_ms:
+            metrics[f"pipeline/rank{rank}/grad_sync_ms"] = grad_sync_ms[rank]
     metrics["pipeline/bubble_fraction"] = measured.bubble_fraction()
     metrics["pipeline/predicted_bubble_fraction"] = predicted.bubble_fraction()
     metrics["pipeline/bubble_fraction_error"] = metrics["pipeline/bubble_fraction"] - predicted.bubble_fraction()
@@ -275,23 +278,26 @@ def stage_metrics(measured: Timeline, predicted: Timeline, samples: int,
     return metrics
 
 
-def summary_table(history: Sequence[dict[str, float]], num_stages: int) -> str:
-    """Per-stage means over the measured steps, as a text table (backward: B, or I + W when split)."""
+def summary_table(history: Sequence[dict[str, float]], stage_to_rank: Sequence[int]) -> str:
+    """Per-stage means over the measured steps, as a text table (backward: B, or I + W when split). With several
+    stages per rank, idle time belongs to a rank, not a stage (n/a), and the bubble and gradient sync are the
+    rank's."""
 
     def mean(key: str, missing: float = math.nan) -> float:
         return sum(h.get(key, missing) for h in history) / len(history)
 
-    synced = all("pipeline/stage0/grad_sync_ms" in h for h in history)
+    synced = all("pipeline/rank0/grad_sync_ms" in h for h in history)
     header = f"{'stage':>5} | {'forward ms':>10} | {'backward ms':>11} | {'comm wait ms':>12} | " \
              f"{'transfer ms':>11} | {'idle ms':>8} | {'bubble':>6}" + (f" | {'grad sync ms':>12}" if synced else "")
     lines = [f"PipelineMonitor: mean over {len(history)} measured steps", header, "-" * len(header)]
-    for stage in range(num_stages):
-        p = f"pipeline/stage{stage}/"
+    for stage, rank in enumerate(stage_to_rank):
+        p, r = f"pipeline/stage{stage}/", f"pipeline/rank{rank}/"
         backward = mean(p + "backward_ms") + mean(p + "backward_input_ms", 0.0) + mean(p + "backward_weight_ms", 0.0)
+        idle = f"{mean(p + 'idle_ms'):>8.2f}" if all(p + "idle_ms" in h for h in history) else f"{'n/a':>8}"
         lines.append(f"{stage:>5} | {mean(p + 'forward_ms'):>10.2f} | {backward:>11.2f} | "
                      f"{mean(p + 'comm_wait_ms'):>12.2f} | {mean(p + 'comm_transfer_ms'):>11.2f} | "
-                     f"{mean(p + 'idle_ms'):>8.2f} | {mean(p + 'bubble_fraction'):>6.3f}"
-                     + (f" | {mean(p + 'grad_sync_ms'):>12.2f}" if synced else ""))
+                     f"{idle} | {mean(r + 'bubble_fraction'):>6.3f}"
+                     + (f" | {mean(r + 'grad_sync_ms'):>12.2f}" if synced else ""))
     lines.append(f"step {mean('pipeline/step_ms'):.2f} ms, {mean('pipeline/samples_per_sec'):.1f} samples/s, "
                  f"bubble {mean('pipeline/bubble_fraction'):.3f} measured vs "
                  f"{mean('pipeline/predicted_bubble_fraction'):.3f} predicted")

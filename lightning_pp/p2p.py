@@ -82,7 +82,7 @@ class StageP2P:
         stage_ranks: Sequence[int],
         device: torch.device,
         timeout: float,
-        groups: tuple[Any, Any] = (None, None),
+        groups: Sequence[Any] = (None, None),
         prefetch: int = 2,
     ) -> None:
         self.stage_ranks = list(stage_ranks)
@@ -90,10 +90,10 @@ class StageP2P:
         self.timeout = timeout
         # activations and gradients travel in separate process groups, i.e. separate connections: on one gloo TCP
         # connection, two stages sending to each other at once stall for milliseconds now and then; on NCCL the two
-        # directions get their own streams and do not wait for each other
-        self.groups = groups
-        self._group = {ActionType.SEND_F: groups[0], ActionType.RECV_F: groups[0],
-                       ActionType.SEND_B: groups[1], ActionType.RECV_B: groups[1]}
+        # directions get their own streams and do not wait for each other. With several stages per rank one kind can
+        # travel both ways between two ranks (interleaved on 2 ranks, the V of zbv): then ``groups`` has four, one
+        # per kind and direction (activations up, down, gradients up, down, in rank order)
+        self.groups = tuple(groups)
         # NCCL's Work.wait does not block the host, so bound its wait by polling; gloo's wait takes a timeout itself
         self._poll = dist.get_backend(groups[0]) != "gloo"
         self._prefetch = 0 if self._poll else prefetch
@@ -151,7 +151,7 @@ class StageP2P:
             self._expected[key] = layout
         peer = self.stage_ranks[action.peer]
         try:
-            works = [_posted(dist.isend(buffer, peer, group=self._group[action.type], tag=tag))
+            works = [_posted(dist.isend(buffer, peer, group=self._group_of(action), tag=tag))
                      for buffer, tag in messages]
         except RuntimeError as error:
             raise self._error(action, "posting the send", error) from error
@@ -215,9 +215,17 @@ class StageP2P:
         works = [self._irecv(payload, action, _PAYLOAD_TAG) for payload in payloads]
         self._posted[action] = (header, header_work, payloads, works)
 
+    def _group_of(self, action: Action) -> Any:
+        kind = 0 if action.type in (ActionType.SEND_F, ActionType.RECV_F) else 1
+        if len(self.groups) == 2:
+            return self.groups[kind]
+        here, there = self.stage_ranks[action.stage], self.stage_ranks[action.peer]
+        upward = there > here if action.is_send else here > there
+        return self.groups[2 * kind + int(upward)]
+
     def _irecv(self, buffer: torch.Tensor, action: Action, tag: int) -> dist.Work:
         try:
-            return _posted(dist.irecv(buffer, self.stage_ranks[action.peer], group=self._group[action.type], tag=tag))
+            return _posted(dist.irecv(buffer, self.stage_ranks[action.peer], group=self._group_of(action), tag=tag))
         except RuntimeError as error:
             raise self._error(action, "posting the receive", error) from error
 

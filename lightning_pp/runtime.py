@@ -150,19 +150,20 @@ def run_stage(
                 hand_upstream(stage, mb, [t.grad if t.grad is not None else torch.zeros_like(t)
                                           for t in _needing_grad(inputs.pop(key))])
         elif kind is ActionType.BACKWARD_INPUT:
+            if params is None:
+                raise PipelineScheduleError(f"Action {action} splits the backward: run_stage needs `params`.")
             tensors, grads = gradients_of_output(stage, mb)
-            received = _needing_grad(inputs.pop(key)) if key in inputs else []
-            weights = [p for p in params(stage) if p.requires_grad] if params is not None else []
+            had_input = key in inputs
+            received = _needing_grad(inputs.pop(key)) if had_input else []
+            weights = [p for p in params(stage) if p.requires_grad]
             if tensors:
                 dinputs, weight_work[key] = backward_input(tensors, grads, received, weights)
-            else:
+            else:  # frozen layers fed by an input without gradient, nothing to do
                 dinputs, weight_work[key] = [torch.zeros_like(t) for t in received], WeightGradients(weights)
-            if received:
+            if had_input:  # the previous stage waits for this (possibly empty) gradient, as after a B
                 hand_upstream(stage, mb, dinputs)
         elif kind is ActionType.BACKWARD_WEIGHT:
-            work = weight_work.pop(key)
-            if work.kept is not None or work.deferred is not None:
-                backward_weight(work)
+            backward_weight(weight_work.pop(key))
         elif kind is ActionType.SEND_F:
             assert p2p is not None
             p2p.send(outputs[key] if training else outputs.pop(key), action)

@@ -43,6 +43,7 @@ __all__ = [
     "add_communication",
     "build_schedule",
     "format_grid",
+    "forward_sweep",
     "infer_stage_to_rank",
     "load_csv",
     "validate_schedule",
@@ -414,13 +415,13 @@ def _zbv(num_ranks: int, num_microbatches: int, stages_per_rank: int = 2) -> lis
     return lists
 
 
-# the schedules the runtime executes today (one stage per rank, F and B): the ones PipelineParallelStrategy accepts
+# the schedules of one stage per rank with a full backward (B)
 SCHEDULES: dict[str, Generator] = {
     "naive": _naive,
     "gpipe": _gpipe,
     "1f1b": _one_f_one_b,
 }
-# every generator build_schedule knows, including those whose runtime (several stages per rank, I / W) comes later
+# every generator build_schedule knows (PipelineParallelStrategy accepts each): also several stages per rank, I / W
 GENERATORS: dict[str, Generator] = {
     **SCHEDULES,
     "interleaved_1f1b": _interleaved_1f1b,
@@ -567,6 +568,15 @@ def _finish(name: str, compute: Sequence[Sequence[Action]], num_microbatches: in
     lowered = add_communication(compute, placement)
     validate_schedule(lowered, num_microbatches, forward_only=forward_only, stage_to_rank=placement)
     return Schedule(name, len(placement), num_microbatches, tuple(tuple(actions) for actions in lowered), placement)
+
+
+def forward_sweep(stage_to_rank: Sequence[int], num_microbatches: int) -> Schedule:
+    """Forward only, for any micro-batch count: each rank runs its stages in order, every micro-batch through one
+    before the next. For evaluation batches a schedule's own rule cannot split (interleaved 1F1B with fewer
+    micro-batches than ranks, a CSV file's fixed count)."""
+    compute = [[Action(stage, _F, mb) for stage, holder in enumerate(stage_to_rank) if holder == rank
+                for mb in range(num_microbatches)] for rank in range(max(stage_to_rank) + 1)]
+    return _finish("forward_sweep", compute, num_microbatches, forward_only=True)
 
 
 _TORCH_BOOKKEEPING = ("UNSHARD", "RESHARD", "REDUCE_GRAD")  # torch's actions without micro-batch, not ours

@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import atexit
+import contextlib
 import os
 import signal
+import sys
 import time
 import weakref
 from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
@@ -39,7 +41,7 @@ from lightning_pp.grads import PipelineGradients, broadcast_tensors
 from lightning_pp.model.split import Partition, split_module
 from lightning_pp.model.step import StepDriver
 from lightning_pp.p2p import StageP2P
-from lightning_pp.schedules import GENERATORS, Schedule, build_schedule, load_csv
+from lightning_pp.schedules import GENERATORS, Schedule, build_schedule, forward_sweep, load_csv
 from lightning_pp.simulate import TimelineEvent
 from lightning_pp.topology import PipelineLayout, StageGroups, create_groups
 
@@ -48,7 +50,7 @@ __all__ = ["PipelineParallelStrategy"]
 
 _AGREEING_SCALERS: weakref.WeakSet[torch.amp.GradScaler] = weakref.WeakSet()  # scalers already patched
 _BACKENDS = ("gloo", "nccl")
-_DEFAULT_STAGES_PER_RANK = {"interleaved_1f1b": 2, "zbv": 2}
+_STAGES_PER_RANK = {"interleaved_1f1b": (2, sys.maxsize), "zbv": (2, 2)}  # (least and default, most); others 1
 _fits_started = 0  # fits this process has run: names each fit's failure flag alike on every rank
 
 
@@ -118,8 +120,8 @@ class PipelineParallelStrategy(ParallelStrategy):
             size (one pipeline, no data parallelism).
         stages_per_rank: Stages each rank holds: 2 or more for ``"interleaved_1f1b"`` (default 2), 2 for
             ``"zbv"``, 1 otherwise; the blocks are split into ``stages_per_rank x pipeline_parallel_size`` stages.
-        microbatches: Micro-batches per batch; ``None`` means twice the number of stages. A batch with fewer samples
-            is split into one micro-batch per sample.
+        microbatches: Micro-batches per batch; ``None`` means twice the number of ranks per pipeline. A batch with
+            fewer samples is split into one micro-batch per sample (or fewer, where the schedule's rule asks).
         blocks: Dotted path of the block container to split (``"model.transformer.h"``); by default the container of
             repeated blocks holding the most parameters. ``sequential`` is the same argument under its former name.
         balance: Blocks per stage (one entry per stage of a pipeline, ``stages_per_rank`` per rank), summing to the
@@ -203,12 +205,12 @@ class PipelineParallelStrategy(ParallelStrategy):
                    f"stages_per_rank={stages_per_rank} but the schedule file {schedule!r} places "
                    f"{from_file.stages_per_rank} stage(s) on each rank: leave stages_per_rank out.")
             microbatches, stages_per_rank = from_file.num_microbatches, from_file.stages_per_rank
-        stages_per_rank = stages_per_rank or _DEFAULT_STAGES_PER_RANK.get(str(schedule), 1)
-        wanted = {"interleaved_1f1b": "at least 2", "zbv": "2"}.get(str(schedule), "1")
-        _check(from_file is not None or (stages_per_rank >= 2 if wanted == "at least 2" else
-                                         stages_per_rank == int(wanted)),
-               f"schedule={schedule!r} runs {wanted} stage(s) per rank, got stages_per_rank={stages_per_rank}. "
-               f"Several stages per rank need schedule='interleaved_1f1b' (any number from 2) or 'zbv' (2).")
+        stages_per_rank = stages_per_rank or _STAGES_PER_RANK.get(str(schedule), (1, 1))[0]
+        low, high = _STAGES_PER_RANK.get(str(schedule), (1, 1))
+        _check(from_file is not None or low <= stages_per_rank <= high,
+               f"schedule={schedule!r} runs {low if low == high else f'at least {low}'} stage(s) per rank, got "
+               f"stages_per_rank={stages_per_rank}. Several stages per rank need schedule='interleaved_1f1b' (any "
+               f"number from 2) or 'zbv' (2).")
         self._schedule_file = from_file
         _check(pipeline_parallel_size is None or (_is_int(pipeline_parallel_size) and pipeline_parallel_size >= 1),
                f"pipeline_parallel_size={pipeline_parallel_size!r} ({type(pipeline_parallel_size).__name__}): pass "
@@ -216,7 +218,7 @@ class PipelineParallelStrategy(ParallelStrategy):
                f"or None for one pipeline over the whole world.")
         _check(microbatches is None or (_is_int(microbatches) and microbatches >= 1),
                f"microbatches={microbatches!r} ({type(microbatches).__name__}): pass a positive integer (at least 1 "
-               f"micro-batch per batch), or None for twice the number of stages.")
+               f"micro-batch per batch), or None for twice the number of ranks per pipeline.")
         for name, value in (("blocks", blocks), ("sequential", sequential)):
             _check(value is None or (isinstance(value, str) and value != ""),
                    f"{name}={value!r} ({type(value).__name__}): pass the dotted path of the block container as a "
@@ -296,7 +298,8 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     @property
     def num_stages(self) -> int:
-        """Stages per pipeline: ``pipeline_parallel_size``, or by default one per process in the job."""
+        """Ranks per pipeline: ``pipeline_parallel_size``, or by default one per process in the job. (Each holds
+        ``stages_per_rank`` stages; :attr:`stage` is this rank's place in its pipeline.)"""
         return self._pipeline_parallel_size or max(1, self._world)
 
     @property
@@ -409,14 +412,15 @@ class PipelineParallelStrategy(ParallelStrategy):
                 f"PipelineParallelStrategy does not support: the schedule runs forward and backward itself. Use "
                 f"automatic optimization, where Lightning calls the optimizers after the pipelined step."
             )
-        layout = self._schedule(self.microbatches, forward_only=False)  # raises for a count the schedule cannot run
+        schedule = self._schedule(self.microbatches, forward_only=False)  # raises for a count it cannot run
         partition = self._partition = split_module(module, self._blocks_name, self._balance,
-                                                   layout.stages_of(self.stage), layout.num_stages)
+                                                   schedule.stages_of(self.stage), schedule.num_stages)
         assert self.model is not None
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
-        groups = self._groups = create_groups(self.layout, self.global_rank, self._new_group)
-        groups.last_position = layout.stage_to_rank[-1]  # the pipeline rank holding the last stage
+        groups = self._groups = create_groups(self.layout, self.global_rank, self._new_group,
+                                              p2p_groups=2 if schedule.stages_per_rank == 1 else 4,
+                                              last_position=schedule.stage_to_rank[-1])
         if self.is_global_zero and self.num_replicas > 1:
             print(f"lightning_pp: {self.layout}")
         shared, shared_buffers = partition.shared_tensors(module)
@@ -447,7 +451,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         pipeline_groups = groups if self.num_stages > 1 else None
         self._log_recorder.attach(module, pipeline_groups)
         if self.num_stages > 1:
-            stage_ranks = [groups.pipeline_ranks[rank] for rank in layout.stage_to_rank]
+            stage_ranks = [groups.pipeline_ranks[rank] for rank in schedule.stage_to_rank]
             self._p2p = StageP2P(stage_ranks, self.root_device, self.timeout, groups.p2p)
         self._driver = StepDriver(module, partition.view, self._p2p, self._log_recorder, self.root_device,
                                   self._schedule, self.microbatches, self._microbatch_weight, pipeline_groups,
@@ -581,25 +585,32 @@ class PipelineParallelStrategy(ParallelStrategy):
     # ------------------------------------------------------------------------------------------------ the step
 
     def _schedule(self, num_microbatches: int, forward_only: bool) -> Schedule:
-        """The schedule for ``num_microbatches``; for fewer than configured (a last, partial batch) that the
-        schedule cannot run (interleaved 1F1B's rule, a file's fixed count), the largest count it can run below."""
         key = (num_microbatches, forward_only)
         if key not in self._schedules:
-            try:
-                schedule = build_schedule(self.schedule_name, self.num_stages, num_microbatches,
-                                          forward_only=forward_only, stages_per_rank=self.stages_per_rank)
-            except PipelineConfigError:
-                if num_microbatches >= self.microbatches or num_microbatches == 1:
-                    raise
-                if self._schedule_file is not None:
-                    raise PipelineConfigError(
-                        f"The schedule file {self.schedule_name!r} runs {self.microbatches} micro-batches, but a "
-                        f"batch has only {num_microbatches} samples. Use batches of at least {self.microbatches} "
-                        f"samples (DataLoader(drop_last=True) for a short last batch), or a generated schedule."
-                    ) from None
-                schedule = self._schedule(num_microbatches - 1, forward_only)
-            self._schedules[key] = schedule
+            self._schedules[key] = self._build_schedule(num_microbatches, forward_only)
         return self._schedules[key]
+
+    def _build_schedule(self, count: int, forward_only: bool) -> Schedule:
+        """The schedule for ``count`` micro-batches. A last, short batch that the schedule cannot split into ``count``
+        (interleaved 1F1B's rule, a file's fixed count) is evaluated with a forward sweep and trained with the largest
+        count the schedule runs below ``count``; none is an error naming the batch."""
+        try:
+            return build_schedule(self.schedule_name, self.num_stages, count, forward_only=forward_only,
+                                  stages_per_rank=self.stages_per_rank)
+        except PipelineConfigError as error:
+            if count >= self.microbatches:
+                raise
+            why = str(error)
+        if forward_only:
+            return forward_sweep(self._schedule(self.microbatches, False).stage_to_rank, count)
+        for fewer in range(count - 1, 0, -1) if self._schedule_file is None else []:
+            with contextlib.suppress(PipelineConfigError):
+                return build_schedule(self.schedule_name, self.num_stages, fewer, stages_per_rank=self.stages_per_rank)
+        raise PipelineConfigError(
+            f"A training batch of {count} samples cannot be split into micro-batches that schedule="
+            f"{self.schedule_name!r} runs on {self.num_stages} ranks ({why}). Use batches of at least "
+            f"{self.microbatches} samples (DataLoader(drop_last=True) for a short last batch)."
+        )
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:

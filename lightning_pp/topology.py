@@ -61,17 +61,17 @@ class StageGroups:
     """The process groups one rank uses (``None`` means the default group of the whole world).
 
     ``pipeline`` carries the per-step results and metric states inside one pipeline; ``p2p`` its activations and
-    gradients (two groups, see :class:`~lightning_pp.p2p.StageP2P`); ``replicas`` the stage's data-parallel gradient
-    average and metric reductions (only used with more than one replica).
+    gradients (two or four groups, see :class:`~lightning_pp.p2p.StageP2P`); ``replicas`` the stage's data-parallel
+    gradient average and metric reductions (only used with more than one replica).
     """
 
     layout: PipelineLayout
     rank: int
     pipeline: Any
-    p2p: tuple[Any, Any]
+    p2p: tuple[Any, ...]
     replicas: Any
     created: list[Any]  # every group this rank belongs to that it must destroy
-    last_position: int = -1  # the place in the pipeline of the rank holding the last stage (the schedule's choice)
+    last_position: int  # the place in the pipeline of the rank holding the last stage (the schedule's choice)
 
     def __deepcopy__(self, memo: dict[int, Any]) -> StageGroups:
         return self  # process groups are handles to this process's connections (a cloned metric keeps them)
@@ -93,20 +93,22 @@ class StageGroups:
         return self.pipeline_ranks[self.last_position]
 
 
-def create_groups(layout: PipelineLayout, rank: int, new_group: Callable[[list[int]], Any]) -> StageGroups:
+def create_groups(layout: PipelineLayout, rank: int, new_group: Callable[[list[int]], Any], p2p_groups: int = 2,
+                  last_position: int = -1) -> StageGroups:
     """Create every group of ``layout`` (``new_group`` is collective: every rank creates all of them, in one order) and
-    keep this rank's."""
-    mine: dict[str, Any] = {"pipeline": None, "p2p": (None, None), "replicas": None}
+    keep this rank's: ``p2p_groups`` for transfers (see :class:`~lightning_pp.p2p.StageP2P`), one for the pipeline's
+    results when there are replicas, one per stage's replicas."""
+    mine: dict[str, Any] = {"pipeline": None, "p2p": (None,) * p2p_groups, "replicas": None}
     created: list[Any] = []
     if layout.num_stages > 1:
         for replica in range(layout.num_replicas):
             ranks = layout.pipeline_ranks(replica)
-            groups = [new_group(ranks) for _ in range(2 if layout.num_replicas == 1 else 3)]
+            groups = [new_group(ranks) for _ in range(p2p_groups + (layout.num_replicas > 1))]
             if rank in ranks:
                 created += groups
-                mine["p2p"] = (groups[0], groups[1])
+                mine["p2p"] = tuple(groups[:p2p_groups])
                 if layout.num_replicas > 1:
-                    mine["pipeline"] = groups[2]
+                    mine["pipeline"] = groups[-1]
     if layout.num_replicas > 1 and layout.num_stages > 1:
         for stage in range(layout.num_stages):
             ranks = layout.stage_ranks(stage)
@@ -114,4 +116,4 @@ def create_groups(layout: PipelineLayout, rank: int, new_group: Callable[[list[i
             if rank in ranks:
                 created.append(group)
                 mine["replicas"] = group
-    return StageGroups(layout, rank, mine["pipeline"], mine["p2p"], mine["replicas"], created)
+    return StageGroups(layout, rank, mine["pipeline"], mine["p2p"], mine["replicas"], created, last_position)

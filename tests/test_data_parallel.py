@@ -30,7 +30,8 @@ from lightning_pp import PipelineConfigError, PipelineLayout, PipelineParallelSt
 REPLICAS, STAGES = 2, 2
 EPOCHS = 2
 METRIC_TOL = 1e-5
-MICROBATCHES = {"naive": 2, "gpipe": 3, "1f1b": 4}  # 3 does not divide a batch of 8: weighted micro-batch means
+# 3 does not divide a batch of 8: weighted micro-batch means; interleaved 1F1B (2 stages per rank) needs m >= p
+MICROBATCHES = {"naive": 2, "gpipe": 3, "1f1b": 4, "interleaved_1f1b": 4, "zb_h1": 3}
 SGD_MODELS = ("mlp_sgd", "tied_sgd")
 # a transfer times out after 5 s (as in test_failures); a rank stuck elsewhere ends 5 s later (the watcher's grace)
 FAILURE_TIMEOUT_S = 5
@@ -73,7 +74,8 @@ def run_job(world_size: int, runs: list[dict[str, Any]], timeout: float) -> Job:
 # ----------------------------------------------------------------------------------------------------- shared jobs
 
 # the 4-rank pipelined job: (model, schedule), then the metrics module's run, then the clipped and accumulated one
-PIPELINED_RUNS = [(model, schedule) for model in SGD_MODELS for schedule in SCHEDULE_NAMES]
+PIPELINED_RUNS = [(model, schedule) for model in SGD_MODELS
+                  for schedule in [*SCHEDULE_NAMES, "interleaved_1f1b", "zb_h1"]]
 METRICS_RUN, CLIPPED_RUN = len(PIPELINED_RUNS), len(PIPELINED_RUNS) + 1
 # clipped by the norm of the whole model's averaged gradients (the tied weight counted once), 2 batches per step
 CLIPPED = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm", "accumulate_grad_batches": 2}
@@ -196,8 +198,9 @@ def test_layout_places_replicas_of_a_stage_on_neighbouring_ranks() -> None:
 
 
 def test_every_schedule_matches_ddp(ddp_job: Job, pipelined_job: Job) -> None:
-    """2 replicas x 2 stages, naive / gpipe / 1f1b, the MLP and the tied model (a weight on the first and the last
-    stage, summed over stages and averaged over replicas), against DDP on 2 processes."""
+    """2 replicas x 2 stages, naive / gpipe / 1f1b / interleaved_1f1b (2 stages per rank) / zb_h1, the MLP and the
+    tied model (a weight on the first and the last stage, summed over stages and averaged over replicas), against DDP
+    on 2 processes."""
     ddp_ranks, ranks = ddp_job.get(), pipelined_job.get()
     first, again = ddp_reference(ddp_ranks, DDP_RUNS["mlp_sgd"]), ddp_reference(ddp_ranks, DDP_AGAIN)
     for name, value in first["state"].items():  # the reference is deterministic: one run serves

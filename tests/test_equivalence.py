@@ -248,13 +248,16 @@ def torch_interleaved_csv(path: Path, ranks: int, stages_per_rank: int, microbat
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_schedules_beyond_1f1b_match_single_device(world_size: int, tmp_path: Path) -> None:
     """interleaved_1f1b (2 stages per rank), zb_h1 (backward split into input and weight gradients) and zbv (both), at
-    several micro-batch counts, and a schedule torch wrote as CSV; the tied models where they have enough blocks."""
+    several micro-batch counts, and a schedule torch wrote as CSV; the tied models where they have enough blocks, and
+    frozen first layers."""
     p = world_size
     runs = [pipelined("mlp", schedule=s, microbatches=m)
             for s, counts in (("interleaved_1f1b", [p, 2 * p]), ("zb_h1", [p, 2 * p, 3]), ("zbv", [p, 2 * p]))
             for m in counts]
     runs += [pipelined("tied_sgd", schedule="zb_h1", microbatches=p), pipelined("tied", schedule="zb_h1",
                                                                                microbatches=2 * p)]
+    # frozen first layers: a stage's input without gradient still hands an (empty) gradient upstream
+    runs += [pipelined("frozen_front", schedule=s, microbatches=2 * p) for s in ("zb_h1", "zbv")]
     if world_size == 2:  # 4 blocks: 2 stages per rank only fit on 2 ranks
         runs += [pipelined("tied_sgd", schedule="interleaved_1f1b", microbatches=p),
                  pipelined("tied_sgd", schedule="zbv", microbatches=2 * p)]

@@ -12,8 +12,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 
 from lightning_pp import PipelineConfigError, PipelineMonitor
 
-STAGE_KEYS = ["forward_ms", "backward_ms", "comm_wait_ms", "comm_transfer_ms", "idle_ms", "bubble_fraction",
-              "grad_sync_ms"]
+STAGE_KEYS = ["forward_ms", "backward_ms", "comm_wait_ms", "comm_transfer_ms", "idle_ms", "bubble_fraction"]
+RANK_KEYS = ["bubble_fraction", "grad_sync_ms"]
 PIPELINE_KEYS = ["bubble_fraction", "predicted_bubble_fraction", "bubble_fraction_error", "step_ms",
                  "samples_per_sec"]
 
@@ -46,6 +46,7 @@ def test_measured_bubble_matches_theory_and_logs(world_size: int, microbatches: 
         tags = set(accumulator.Tags()["scalars"])
         expected = {f"pipeline/{k}" for k in PIPELINE_KEYS}
         expected |= {f"pipeline/stage{s}/{k}" for s in range(world_size) for k in STAGE_KEYS}
+        expected |= {f"pipeline/rank{r}/{k}" for r in range(world_size) for k in RANK_KEYS}
         assert expected <= tags, expected - tags
 
     events = next((tmp_path / "pics" / "tb").rglob("events.out.tfevents.*"))

@@ -111,7 +111,7 @@ def test_old_call_still_builds_one_stage_per_rank() -> None:
     assert [schedule.stages_of(rank) for rank in range(4)] == [(0,), (1,), (2,), (3,)]
     assert all(a.stage == rank for rank in range(4) for a in schedule.actions[rank])
     assert Schedule("x", 2, 1, ((), ())).stage_to_rank == (0, 1)
-    assert set(SCHEDULES) == {"naive", "gpipe", "1f1b"}  # what the strategy accepts until the runtime runs I / W
+    assert set(SCHEDULES) == {"naive", "gpipe", "1f1b"}  # one stage per rank, full backward
 
 
 # ---------------------------------------------------------------------------------------------------------- bubbles
@@ -504,7 +504,10 @@ def test_monitor_metrics_and_pictures_take_split_backwards_and_shared_ranks() ->
     metrics = stage_metrics(zb, zb, samples=8)
     assert metrics["pipeline/stage0/backward_input_ms"] == metrics["pipeline/stage0/backward_weight_ms"] == 2e3
     assert metrics["pipeline/rank1/bubble_fraction"] == metrics["pipeline/stage1/bubble_fraction"]
-    assert "backward" in summary_table([metrics], 2)
+    assert "backward" in summary_table([metrics], (0, 1))
+    interleaved_table = simulate(_build("interleaved_1f1b", 2, 4))
+    table = summary_table([stage_metrics(interleaved_table, interleaved_table, samples=8)], (0, 1, 0, 1))
+    assert "nan" not in table and len(table.splitlines()) == 3 + 4 + 1
     one_f_one_b = simulate(build_schedule("1f1b", 2, 2))
     keys = set(stage_metrics(one_f_one_b, one_f_one_b, samples=8))
     assert "pipeline/stage0/idle_ms" in keys and "pipeline/stage0/backward_input_ms" not in keys
@@ -522,3 +525,16 @@ def test_monitor_metrics_and_pictures_take_split_backwards_and_shared_ranks() ->
 
     plt.close(draw_timelines(interleaved, simulate(_build("zbv", 2, 4))))
     plt.close(draw_timelines(Timeline(2, [TimelineEvent(0, Action.parse("0W0"), BACKWARD_WEIGHT, 0.0, 1.0)])))
+
+
+@pytest.mark.parametrize(("name", "ranks", "microbatches"), [("interleaved_1f1b", 4, 3), ("zbv", 2, 1),
+                                                              ("1f1b", 2, 5)])
+def test_forward_sweep_evaluates_any_count_on_a_schedules_placement(name: str, ranks: int,
+                                                                    microbatches: int) -> None:
+    """Evaluation batches a schedule's rule cannot split run as a forward sweep over the same stage placement."""
+    from lightning_pp.schedules import forward_sweep
+
+    placement = build_schedule(name, ranks, 2 * ranks, stages_per_rank=STAGES_PER_RANK.get(name, 1)).stage_to_rank
+    sweep = forward_sweep(placement, microbatches)
+    assert sweep.stage_to_rank == placement and sweep.num_microbatches == microbatches
+    assert all(a.type is ActionType.FORWARD for actions in sweep.actions for a in actions if a.is_compute)
