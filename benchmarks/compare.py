@@ -492,7 +492,8 @@ def worker_lightning(run: dict[str, Any], rank: int) -> dict[str, Any]:
         trainer = L.Trainer(
             accelerator="gpu" if run["device"] == "cuda" else "cpu", devices=run["stages"] * run["replicas"],
             strategy=PipelineParallelStrategy(schedule=run["schedule"], microbatches=MICROBATCHES,
-                                              pipeline_parallel_size=run["stages"]),
+                                              pipeline_parallel_size=run["stages"],
+                                              activation_checkpointing=run.get("activation_checkpointing", False)),
             max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
             enable_model_summary=False, callbacks=callbacks,
         )
@@ -751,6 +752,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--replicas", type=int, nargs="+",
                         help="data-parallel replicas of each pipeline (default 1, and 2 where the machine has a core "
                              "or GPU for every process of 2 replicas of the smallest pipeline)")
+    parser.add_argument("--activation-checkpointing", action="store_true",
+                        help="lightning_pp recomputes every block's activations in backward (memory for compute)")
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per run (default 20)")
     parser.add_argument("--warmup", type=int, default=3, help="first steps left out of the statistics (default 3)")
     parser.add_argument("--monitor-steps", type=int, default=8, help="steps of the PipelineMonitor run (default 8)")
@@ -809,7 +812,8 @@ def main(argv: list[str] | None = None) -> None:
     models = [("mlp", h) for h in args.hidden] + ([("gpt", GPT_DIM)] if args.gpt else [])
     configs: list[Config] = [(model, h, s, p, r) for r in args.replicas for p in args.stages for model, h in models
                              for s in args.schedules]
-    common = {"device": args.device, "steps": args.steps, "warmup": args.warmup, "monitor_steps": args.monitor_steps}
+    common = {"device": args.device, "steps": args.steps, "warmup": args.warmup, "monitor_steps": args.monitor_steps,
+              "activation_checkpointing": args.activation_checkpointing}
     launches: list[tuple[str, int, list[Config]]] = []  # runner, processes, configurations measured in one launch
     for kind in RUNNER_LABELS:
         if kind not in args.runners:

@@ -139,6 +139,10 @@ class PipelineParallelStrategy(ParallelStrategy):
         reuse_cpu_memory: On CPU (Linux, glibc), keep freed memory in each stage's process instead of returning it to
             the operating system, so the buffers of every micro-batch reuse pages rather than page-faulting fresh ones
             in (15-30 % of the compute time of a 1024-wide MLP stage). The process keeps its peak memory.
+        activation_checkpointing: Recompute the blocks' activations in backward instead of keeping them (``True``:
+            every block; an int ``n``: every ``n``-th block of the container), with ``torch.utils.checkpoint``
+            (non-reentrant, the random state restored, so dropout masks are the same in the recompute): activation
+            memory for compute.
         microbatch_weight: What a micro-batch's training loss averages over, as a function of the micro-batch; by
             default its number of samples. Losses and logged means of the micro-batches are combined with these
             weights, so for a loss that averages over tokens with padding ignored (Hugging Face causal LMs with
@@ -174,6 +178,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         reuse_cpu_memory: bool = True,
         microbatch_weight: Callable[[Any], Any] | None = None,
+        activation_checkpointing: bool | int = False,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -247,6 +252,10 @@ class PipelineParallelStrategy(ParallelStrategy):
         _check(microbatch_weight is None or callable(microbatch_weight),
                f"microbatch_weight={microbatch_weight!r} must be a function of a micro-batch returning its weight, "
                f"e.g. microbatch_weight=lambda batch: (batch['labels'][:, 1:] != -100).sum(), or None.")
+        _check(isinstance(activation_checkpointing, bool) or (_is_int(activation_checkpointing)
+                                                              and activation_checkpointing >= 1),
+               f"activation_checkpointing={activation_checkpointing!r} ({type(activation_checkpointing).__name__}) "
+               f"must be True (recompute every block in backward), False, or a positive int n (every n-th block).")
         _check(isinstance(reuse_cpu_memory, bool),
                f"reuse_cpu_memory={reuse_cpu_memory!r} ({type(reuse_cpu_memory).__name__}) must be True or False.")
         self.checkpoint_format = checkpoint_format
@@ -262,6 +271,8 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._reuse_cpu_memory = reuse_cpu_memory
         self._microbatch_weight = microbatch_weight
+        # recompute every n-th block in backward; 0: keep every activation
+        self._checkpoint_every = int(activation_checkpointing) if activation_checkpointing is not False else 0
         self._num_nodes = 1
         self._partition: Partition | None = None
         self._driver: StepDriver | None = None
@@ -415,6 +426,8 @@ class PipelineParallelStrategy(ParallelStrategy):
         schedule = self._schedule(self.microbatches, forward_only=False)  # raises for a count it cannot run
         partition = self._partition = split_module(module, self._blocks_name, self._balance,
                                                    schedule.stages_of(self.stage), schedule.num_stages)
+        if self._checkpoint_every:
+            partition.view.checkpoint_blocks(self._checkpoint_every)
         assert self.model is not None
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()

@@ -143,3 +143,34 @@ def test_unsupported_structure_is_our_error() -> None:
     Pair = namedtuple("Pair", "a b")
     with pytest.raises(PipelineConfigError, match="handed the next block a Pair"):
         flatten(Pair(torch.ones(1), torch.ones(1)))
+
+
+def test_checkpointed_blocks_keep_fewer_activations_and_the_same_gradients_with_dropout() -> None:
+    """activation_checkpointing: the blocks' activations are recomputed in backward (fewer tensors saved), with the
+    random state restored, so dropout draws the same masks and the gradients are the same."""
+
+    def run(every: int) -> tuple[int, list[torch.Tensor]]:
+        torch.manual_seed(0)
+        blocks = nn.Sequential(*[nn.Sequential(nn.Linear(8, 8), nn.Dropout(0.5), nn.Tanh()) for _ in range(4)])
+        view = StageView("blocks", blocks, [0], [range(0, 4)])
+        if every:
+            view.checkpoint_blocks(every)
+        saved: list[torch.Tensor] = []
+
+        def keep(tensor: torch.Tensor) -> torch.Tensor:
+            saved.append(tensor)
+            return tensor
+
+        torch.manual_seed(1)
+        counting = torch.autograd.graph.saved_tensors_hooks(keep, lambda t: t)
+        with counting, view.microbatch(0, None, stop_after_blocks=False):
+            loss = blocks(torch.randn(3, 8)).sum()
+        loss.backward()
+        return len(saved), [p.grad for p in blocks.parameters() if p.grad is not None]
+
+    kept, grads = run(0)
+    recomputed, same = run(1)
+    assert recomputed < kept / 2, (recomputed, kept)
+    for a, b in zip(grads, same, strict=True):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
+    assert run(2)[0] < kept

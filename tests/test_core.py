@@ -52,6 +52,8 @@ def test_split_batch_errors() -> None:
         ({"schedule": "interleaved_1f1b", "stages_per_rank": 1}, r"runs at least 2 stage\(s\) per rank"),
         ({"schedule": "1f1b", "stages_per_rank": 2}, r"Several stages per rank need schedule='interleaved_1f1b'"),
         ({"stages_per_rank": 0}, r"stages_per_rank=0 \(int\): pass a positive integer"),
+        ({"activation_checkpointing": 0}, r"activation_checkpointing=0 \(int\) must be True"),
+        ({"activation_checkpointing": "yes"}, r"activation_checkpointing='yes' \(str\) must be True"),
         ({"microbatches": 0}, r"microbatches=0 \(int\): pass a positive integer"),
         ({"microbatches": True}, r"microbatches=True \(bool\): pass a positive integer"),
         ({"microbatches": 2.0}, r"microbatches=2.0 \(float\)"),

@@ -266,3 +266,14 @@ def test_schedules_beyond_1f1b_match_single_device(world_size: int, tmp_path: Pa
     for index, run in enumerate(runs):
         label = f"{world_size} ranks {run['kwargs']}"
         assert_trains_like(ranks, index, run, reference(run["kwargs"]["model"]), label)
+
+
+def test_activation_checkpointing_matches_single_device_on_every_schedule() -> None:
+    """Blocks recomputed in backward (every block, or every second one) give one device's gradients on every
+    schedule, split backwards included."""
+    schedules = ["naive", "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"]
+    runs = [pipelined("mlp", schedule=s, microbatches=4, activation_checkpointing=True) for s in schedules]
+    runs += [pipelined("tied_sgd", schedule=s, microbatches=4, activation_checkpointing=2) for s in ("1f1b", "zb_h1")]
+    ranks = launch(2, runs, timeout=300)
+    for index, run in enumerate(runs):
+        assert_trains_like(ranks, index, run, reference(run["kwargs"]["model"]), str(run["kwargs"]))

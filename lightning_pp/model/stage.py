@@ -21,7 +21,9 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import contextmanager
 from typing import Any
 
+import torch
 from torch import nn
+from torch.utils.checkpoint import checkpoint
 
 from lightning_pp import _compat
 from lightning_pp._tree import map_tensors
@@ -76,6 +78,18 @@ class _StandIn(nn.Module):
         return f"{block_type} on stage {owner}"
 
 
+class _Recomputed:
+    """A block's forward whose activations are recomputed in backward (see :meth:`StageView.checkpoint_blocks`)."""
+
+    def __init__(self, forward: Callable[..., Any]) -> None:
+        self.forward = forward
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        if not torch.is_grad_enabled():
+            return self.forward(*args, **kwargs)
+        return checkpoint(self.forward, *args, use_reentrant=False, **kwargs)
+
+
 class StageView:
     """Installs and drives the stand-ins and the hooks of one rank, which holds ``stages`` (``ranges[s]`` are the blocks
     of stage ``s``). A pass runs one of them, :attr:`stage`: the blocks of the rank's other stages are stand-ins then.
@@ -116,6 +130,15 @@ class StageView:
     def local(self) -> range:
         """The blocks of the stage the current pass runs."""
         return self.ranges[self.stage]
+
+    def checkpoint_blocks(self, every: int) -> None:
+        """Recompute the activations of every ``every``-th block of the container (this rank's) in backward instead
+        of keeping them, with ``torch.utils.checkpoint`` (non-reentrant; the random state is restored for the
+        recompute, so dropout draws the same masks). Only when gradients are on: evaluation runs blocks as they are."""
+        for index in range(0, len(self.keys), every):
+            block = self._local_blocks.get(self.keys[index])
+            if block is not None and not isinstance(block.forward, _Recomputed):
+                block.forward = _Recomputed(block.forward)  # type: ignore[method-assign]
 
     def blocks_of(self, stage: int) -> list[nn.Module]:
         """The real blocks of ``stage``, one of this rank's."""
