@@ -24,9 +24,10 @@ or until its ``W`` (most of the activations can go after ``I``).
 from __future__ import annotations
 
 import csv
+import functools
 import os
 import re
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from enum import Enum
 from pathlib import Path
@@ -226,16 +227,18 @@ def _one_f_one_b(num_ranks: int, num_microbatches: int, stages_per_rank: int = 1
     stage 3 |......F0B0F1B1F2B2F3B3F4B4F5B5F6B6F7B7
     """
     _one_stage_per_rank("1f1b", stages_per_rank)
-    lists = []
-    for stage in range(num_ranks):
-        warmup = min(num_ranks - stage - 1, num_microbatches)
-        actions = [Action(stage, _F, mb) for mb in range(warmup)]
-        for step in range(num_microbatches - warmup):
-            actions.append(Action(stage, _F, warmup + step))
-            actions.append(Action(stage, _B, step))
-        actions += [Action(stage, _B, mb) for mb in range(num_microbatches - warmup, num_microbatches)]
-        lists.append(actions)
-    return lists
+    return [_warmup_alternate_cooldown(num_microbatches, min(num_ranks - stage - 1, num_microbatches),
+                                       functools.partial(Action, stage))
+            for stage in range(num_ranks)]
+
+
+def _warmup_alternate_cooldown(total: int, warmup: int, action: Callable[[ActionType, int], Action]) -> list[Action]:
+    """``warmup`` forwards, then one forward one backward until the forwards are done, then the other backwards:
+    the order of 1F1B and of interleaved 1F1B (``action(kind, k)`` is the ``k``-th forward or backward)."""
+    actions = [action(_F, k) for k in range(warmup)]
+    for k in range(total - warmup):
+        actions += [action(_F, warmup + k), action(_B, k)]
+    return actions + [action(_B, k) for k in range(total - warmup, total)]
 
 
 def _interleaved_counts(num_ranks: int, num_microbatches: int) -> list[int]:
@@ -299,16 +302,9 @@ def _interleaved_1f1b(num_ranks: int, num_microbatches: int, stages_per_rank: in
             chunk = v - 1 - chunk  # backwards visit the rank's stages last to first
         return Action(chunk * p + rank, kind, (k // (group * v)) * group + k % group)
 
-    lists = []
-    for rank in range(p):
-        warmup = min(total, (v - 1) * group + 2 * (p - 1 - rank))
-        actions = [local_action(rank, _F, k) for k in range(warmup)]
-        for k in range(total - warmup):
-            actions.append(local_action(rank, _F, warmup + k))
-            actions.append(local_action(rank, _B, k))
-        actions += [local_action(rank, _B, k) for k in range(total - warmup, total)]
-        lists.append(actions)
-    return lists
+    return [_warmup_alternate_cooldown(total, min(total, (v - 1) * group + 2 * (p - 1 - rank)),
+                                       functools.partial(local_action, rank))
+            for rank in range(p)]
 
 
 def _zb_h1(num_ranks: int, num_microbatches: int, stages_per_rank: int = 1) -> list[list[Action]]:

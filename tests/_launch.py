@@ -95,6 +95,12 @@ def _read_rank(out: Path, file_rank: int, num_runs: int, returncode: int | None,
     return RankResult(returncode, results, errors, output, node_output)
 
 
+def _check_timeout(caller: str, timeout: float) -> None:
+    if not 0 < timeout <= MAX_TIMEOUT_S:
+        raise ValueError(f"{caller}(timeout={timeout}) must be in (0, {MAX_TIMEOUT_S}] s: pytest's per-test timeout "
+                         "(pyproject) must not fire first; keep a test's launches together under it too")
+
+
 def launch(world_size: int, runs: list[dict[str, Any]], timeout: float = DEFAULT_TIMEOUT_S) -> list[RankResult]:
     """Run ``runs`` (each ``{"scenario": name, "kwargs": {...}}``) on ``world_size`` fresh processes.
 
@@ -102,9 +108,7 @@ def launch(world_size: int, runs: list[dict[str, Any]], timeout: float = DEFAULT
         ValueError: ``timeout`` is not positive or exceeds ``MAX_TIMEOUT_S``.
         LaunchTimeoutError: the job ran longer than ``timeout`` seconds (its processes are killed first).
     """
-    if not 0 < timeout <= MAX_TIMEOUT_S:
-        raise ValueError(f"launch(timeout={timeout}) must be in (0, {MAX_TIMEOUT_S}] s: pytest's per-test timeout "
-                         "(pyproject) must not fire first; keep a test's launches together under it too")
+    _check_timeout("launch", timeout)
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
         stores = [TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timedelta(seconds=timeout),
@@ -309,9 +313,7 @@ def launch_torchrun(nnodes: int, nproc_per_node: int, runs: list[dict[str, Any]]
         ValueError: ``timeout`` is not positive or exceeds ``MAX_TIMEOUT_S``.
         LaunchTimeoutError: the job ran longer than ``timeout`` seconds (its processes are killed first).
     """
-    if not 0 < timeout <= MAX_TIMEOUT_S:
-        raise ValueError(f"launch_torchrun(timeout={timeout}) must be in (0, {MAX_TIMEOUT_S}] s: pytest's per-test "
-                         "timeout (pyproject) must not fire first")
+    _check_timeout("launch_torchrun", timeout)
     deadline = time.monotonic() + timeout
     for attempt in range(3):
         with tempfile.TemporaryDirectory() as tmp:
