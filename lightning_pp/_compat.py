@@ -1,6 +1,7 @@
 """The private Lightning and torch APIs lightning_pp relies on, gathered in one place so an upgrade touches one file."""
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -92,6 +93,46 @@ def backward_weight(params: list[torch.nn.Parameter], kept: Any) -> None:
     stage_backward_weight(iter(params), kept)
 
 
+def tree_map_tensors(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``tree`` (nested containers, also registered ones such as Hugging Face's ModelOutput) with ``fn`` applied to
+    each tensor."""
+    from torch.utils._pytree import tree_map_only
+
+    return tree_map_only(torch.Tensor, fn, tree)
+
+
+def tree_tensors(tree: Any) -> list[torch.Tensor]:
+    """The tensors of ``tree`` in :func:`tree_map_tensors`' order."""
+    from torch.utils._pytree import tree_leaves
+
+    return [leaf for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
+
+
+def train_data_source(trainer: Any) -> Any | None:
+    """Where ``fit`` takes its training batches from (the loaders passed to it, or the module's or datamodule's
+    ``train_dataloader`` hook), with ``dataloader()`` to ask for them; None when there is none."""
+    source = trainer.fit_loop._data_source
+    return source if source.instance is not None and source.is_defined() else None
+
+
+@contextmanager
+def fresh_persistent_workers(loaders: list[Any]) -> Iterator[None]:
+    """Iterating a DataLoader with ``persistent_workers`` keeps its iterator (and its workers) for the next ``iter``,
+    which then draws no new seed for them: drop the iterators created in here, so that the fit loop's ``iter`` starts
+    the workers (and draws from the random generator) as it would have."""
+    before = [getattr(loader, "_iterator", None) for loader in loaders]
+    try:
+        yield
+    finally:
+        for loader, kept in zip(loaders, before, strict=True):
+            iterator = getattr(loader, "_iterator", None)
+            if iterator is not None and kept is None:
+                shutdown = getattr(iterator, "_shutdown_workers", None)
+                if shutdown is not None:
+                    shutdown()
+                loader._iterator = None
+
+
 def child_names(container: torch.nn.Module) -> list[str]:
     """Every entry of a block container in order, also a block listed twice (``named_children`` skips repeats)."""
     return list(container._modules)
@@ -108,9 +149,13 @@ __all__ = [
     "backward_input",
     "backward_weight",
     "child_names",
+    "fresh_persistent_workers",
     "mark_metric_updated",
     "metric_forward_value",
     "replace_metric_sync",
     "split_backward_applies",
     "sync_metric_states",
+    "train_data_source",
+    "tree_map_tensors",
+    "tree_tensors",
 ]

@@ -50,36 +50,56 @@ def broadcast_tensors(tensors: Iterable[Tensor], src: int, group: Any, device: t
 class PipelineGradients:
     """What the optimizer step needs beyond one rank.
 
-    ``shared`` are the parameters every stage holds (outside the blocks): their gradients are summed over the pipeline
-    (a weight tied between the first and the last stage gets both parts) and averaged over the replicas. The stage's
-    own parameters (its blocks) are averaged over the replicas of the stage, as DDP averages. Both in buckets of at
-    most ``bucket_bytes``, each all-reduced while the next is being packed.
+    ``outside`` are the weights outside the blocks. Each is held by the pipeline positions in ``users[id(weight)]``
+    (every position where absent: before :class:`~lightning_pp.model.placement.WeightPlacement` decides, or when all
+    use it): its gradient is summed over those positions (a weight tied between the first and the last stage gets
+    both parts) and averaged over the replicas, in ``sharing_groups[positions]`` (the default group when every
+    position holds it). The stage's own parameters (its blocks) are averaged over the replicas of the stage, as DDP
+    averages. All in buckets of at most ``bucket_bytes``, each all-reduced while the next is being packed.
     """
 
-    def __init__(self, shared: list[nn.Parameter], groups: StageGroups, device: torch.device,
+    def __init__(self, outside: list[nn.Parameter], groups: StageGroups, device: torch.device,
                  bucket_bytes: int = 25 * 2**20) -> None:
-        self.shared = shared
+        self.outside = {id(p) for p in outside}
         self.groups = groups
         self.device = device
         self.bucket_bytes = bucket_bytes
+        self.users: dict[int, frozenset[int]] = {}
+        self.sharing_groups: dict[frozenset[int], Any] = {}  # those this rank belongs to
+        self.sharing_sets: set[frozenset[int]] = set()  # every set with a group (created by every rank)
+        self.every_position = frozenset(range(groups.layout.num_stages))
+        self.last_bytes = 0  # gradient bytes this rank all-reduced in the latest synchronize
+
+    def positions_of(self, p: nn.Parameter) -> frozenset[int]:
+        """The pipeline positions holding ``p``."""
+        if id(p) not in self.outside:
+            return frozenset({self.groups.stage})
+        return self.users.get(id(p), self.every_position)
 
     def synchronize(self, params: Iterable[nn.Parameter]) -> None:
         """Once per optimizer step, after the last backward: make every gradient the one the optimizer should apply.
 
         Which parameters take part is decided from ``grad`` every step (so weights frozen or unfrozen during
         training, as ``BackboneFinetuning`` does, are followed) and agreed on by every rank of the collective: a
-        parameter whose gradient exists on one rank only gets zeros elsewhere.
+        parameter whose gradient exists on one rank only gets zeros elsewhere. Every rank runs its collectives in
+        one global order of the holding position sets, so no two ranks wait on each other in opposite orders.
         """
         layout = self.groups.layout
         replicas = layout.num_replicas
+        self.last_bytes = 0
         if layout.world_size == 1:
             return
-        shared_ids = {id(p) for p in self.shared}
-        if self.shared:
-            self._all_reduce(self._used(self.shared, None), None, replicas)
-        if replicas > 1:  # every replica of this stage holds the same parameters, in the same order
-            own = [p for p in params if id(p) not in shared_ids]
-            self._all_reduce(self._used(own, self.groups.replicas), self.groups.replicas, replicas)
+        by_positions: dict[frozenset[int], list[nn.Parameter]] = {}
+        for p in params:
+            by_positions.setdefault(self.positions_of(p), []).append(p)
+        for positions in sorted(by_positions, key=lambda s: (-len(s), sorted(s))):
+            if len(positions) == 1:
+                if replicas > 1:
+                    group = self.groups.replicas
+                    self._all_reduce(self._used(by_positions[positions], group), group, replicas)
+                continue
+            group = None if positions == self.every_position else self.sharing_groups[positions]
+            self._all_reduce(self._used(by_positions[positions], group), group, replicas)
 
     def _used(self, params: list[nn.Parameter], group: Any) -> list[nn.Parameter]:
         """The parameters with a gradient on at least one rank of ``group``."""
@@ -95,6 +115,7 @@ class PipelineGradients:
             flat = torch.cat([g.detach().reshape(-1) for g in grads])
             if replicas > 1:
                 flat.div_(replicas)
+            self.last_bytes += flat.numel() * flat.element_size()
             pending.append((bucket, flat, dist.all_reduce(flat, group=group, async_op=True)))
         for bucket, flat, work in pending:
             work.wait()
@@ -117,13 +138,12 @@ class PipelineGradients:
                 yield bucket
 
     def clip_by_global_norm(self, params: Iterable[nn.Parameter], clip_val: float) -> None:
-        """``clip_grad_norm_`` over the whole pipeline: squared norms summed over stages, each weight counted once
-        (after :meth:`synchronize`, so replicas agree)."""
-        shared = {id(p) for p in self.shared}
+        """``clip_grad_norm_`` over the whole pipeline: squared norms summed over stages, each weight counted once (by
+        the first position holding it; after :meth:`synchronize`, so its holders and replicas agree)."""
         grads = [(p, p.grad) for p in params if p.grad is not None]
         squared = torch.zeros((), dtype=torch.float64, device=self.device)
         for p, grad in grads:
-            if id(p) not in shared or self.groups.stage == 0:
+            if min(self.positions_of(p)) == self.groups.stage:
                 squared += torch.linalg.vector_norm(grad.detach(), dtype=torch.float64) ** 2
         if self.groups.layout.num_stages > 1:  # replicas hold the same gradients: the norm of one pipeline
             dist.all_reduce(squared, group=self.groups.pipeline)

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 from lightning_pp.errors import PipelineConfigError
 
-__all__ = ["stage_layer_ranges", "uniform_balance", "validate_balance"]
+__all__ = ["min_max_partition", "stage_costs", "stage_layer_ranges", "uniform_balance", "validate_balance"]
 
 
 def uniform_balance(num_layers: int, num_stages: int) -> list[int]:
@@ -47,3 +48,67 @@ def stage_layer_ranges(balance: Sequence[int]) -> list[range]:
         ranges.append(range(start, start + count))
         start += count
     return ranges
+
+
+def min_max_partition(costs: Sequence[float], num_stages: int, first_extra: float = 0.0,
+                      last_extra: float = 0.0) -> list[int]:
+    """Blocks per stage for the contiguous split of ``costs`` into ``num_stages`` non-empty runs whose largest stage
+    cost is smallest; the first stage also pays ``first_extra`` (the work before the blocks), the last
+    ``last_extra`` (the work after them).
+
+    This is the *linear partition problem* (Skiena, The Algorithm Design Manual, 2nd ed., §8.5; torchgpipe's
+    balancing cites the same block partitions of Bárány and Grinberg), solved exactly by dynamic programming over
+    prefix sums in O(n² k) for n blocks and k stages: ``best[j][a]``, the least possible slowest stage when stages
+    ``j..k-1`` hold blocks ``a..n-1``, is the minimum over the end ``b`` of stage ``j`` of
+    ``max(cost of stage j = blocks a..b-1, best[j+1][b])``. Ties are broken alike everywhere: among the optimal
+    splits, earlier stages take as many blocks as they can (the lexicographically largest counts), which for equal
+    costs is :func:`uniform_balance`'s split.
+
+    Raises:
+        PipelineConfigError: fewer blocks than stages, or a cost that is negative or not finite.
+    """
+    n, k = len(costs), num_stages
+    if k < 1:
+        raise PipelineConfigError(f"num_stages={k}: a pipeline has at least one stage.")
+    uniform_balance(n, k)  # raises when some stage would get no block
+    values = [float(c) for c in (*costs, first_extra, last_extra)]
+    if not all(math.isfinite(c) and c >= 0 for c in values):
+        raise PipelineConfigError(
+            f"Block costs must be finite and non-negative to balance stages; got costs={list(costs)}, "
+            f"first_extra={first_extra}, last_extra={last_extra}."
+        )
+    prefix = [0.0]
+    for c in costs:
+        prefix.append(prefix[-1] + float(c))
+
+    def stage_cost(j: int, a: int, b: int) -> float:  # stage j holding blocks a..b-1
+        return (prefix[b] - prefix[a]) + (first_extra if j == 0 else 0.0) + (last_extra if j == k - 1 else 0.0)
+
+    # best[j][a] for a in the blocks stage j can start at: j..n-(k-j)
+    best = [[math.inf] * (n + 1) for _ in range(k)]
+    for a in range(k - 1, n):
+        best[k - 1][a] = stage_cost(k - 1, a, n)
+    for j in range(k - 2, -1, -1):
+        for a in range(j, n - (k - j) + 1):
+            best[j][a] = min(max(stage_cost(j, a, b), best[j + 1][b]) for b in range(a + 1, n - (k - j - 1) + 1))
+    optimum = best[0][0]
+    counts, a = [], 0
+    for j in range(k - 1):
+        # the largest end that keeps this stage and the best split of the rest within the optimum (the same float
+        # expressions as above, so the optimum itself compares equal): the tie-breaking rule
+        b = max(b for b in range(a + 1, n - (k - j - 1) + 1)
+                if stage_cost(j, a, b) <= optimum and best[j + 1][b] <= optimum)
+        counts.append(b - a)
+        a = b
+    counts.append(n - a)
+    return counts
+
+
+def stage_costs(costs: Sequence[float], balance: Sequence[int], first_extra: float = 0.0,
+                last_extra: float = 0.0) -> list[float]:
+    """Each stage's cost under ``balance``: its blocks' costs, plus ``first_extra`` on the first stage and
+    ``last_extra`` on the last (what :func:`min_max_partition` minimises the largest of)."""
+    totals = [float(sum(costs[r.start:r.stop])) for r in stage_layer_ranges(balance)]
+    totals[0] += first_extra
+    totals[-1] += last_extra
+    return totals

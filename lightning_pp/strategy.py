@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import atexit
 import contextlib
+import logging
 import os
 import signal
 import sys
@@ -38,12 +39,14 @@ from lightning_pp._logs import LogRecorder
 from lightning_pp.checkpoint import NAMES_KEY, indexed_to_named, load_named, merge_named, named_state, named_to_indexed
 from lightning_pp.errors import PipelineCommError, PipelineConfigError
 from lightning_pp.grads import PipelineGradients, broadcast_tensors
-from lightning_pp.model.split import Partition, split_module
+from lightning_pp.model.balance import BALANCE_MODES, resolve_balance
+from lightning_pp.model.placement import WeightPlacement
+from lightning_pp.model.split import Partition, is_split, split_module
 from lightning_pp.model.step import StepDriver
 from lightning_pp.p2p import StageP2P
 from lightning_pp.schedules import GENERATORS, Schedule, build_schedule, forward_sweep, load_csv
 from lightning_pp.simulate import TimelineEvent
-from lightning_pp.topology import PipelineLayout, StageGroups, create_groups
+from lightning_pp.topology import PipelineLayout, StageGroups, create_groups, create_sharing_groups
 
 __all__ = ["PipelineParallelStrategy"]
 
@@ -51,6 +54,8 @@ __all__ = ["PipelineParallelStrategy"]
 _AGREEING_SCALERS: weakref.WeakSet[torch.amp.GradScaler] = weakref.WeakSet()  # scalers already patched
 _BACKENDS = ("gloo", "nccl")
 _STAGES_PER_RANK = {"interleaved_1f1b": (2, sys.maxsize), "zbv": (2, 2)}  # (least and default, most); others 1
+_PLACEMENTS: weakref.WeakKeyDictionary[torch.nn.Module, WeightPlacement] = weakref.WeakKeyDictionary()
+log = logging.getLogger(__name__)
 _fits_started = 0  # fits this process has run: names each fit's failure flag alike on every rank
 
 
@@ -89,9 +94,10 @@ class PipelineParallelStrategy(ParallelStrategy):
     and the world holds one pipeline or several data-parallel replicas of it.
 
     The container (an ``nn.Sequential``, ``nn.ModuleList`` or ``nn.ModuleDict``: transformer layers, MLP blocks) is
-    found automatically or named with ``blocks``. Each stage keeps a contiguous run of blocks; everything outside the
-    container (embeddings, heads, norms) is held by every stage, starts from rank 0's values and has its gradients
-    summed over the pipeline, so weights tied across the blocks (embedding and head) train correctly.
+    found automatically or named with ``blocks``. Each stage keeps a contiguous run of blocks. The weights outside the
+    container (embeddings, heads, norms) start from rank 0's values; from the first training step on, each is kept
+    only on the ranks that use it (``outside_weights``), with its gradient summed over them, so weights tied across
+    the blocks (embedding and head) train correctly.
 
     Per optimizer step, each batch is split into ``microbatches`` micro-batches and run through the stages by the
     chosen schedule. Every stage runs the user's step for every micro-batch: the blocks of other stages are weightless
@@ -124,8 +130,14 @@ class PipelineParallelStrategy(ParallelStrategy):
             fewer samples is split into one micro-batch per sample (or fewer, where the schedule's rule asks).
         blocks: Dotted path of the block container to split (``"model.transformer.h"``); by default the container of
             repeated blocks holding the most parameters. ``sequential`` is the same argument under its former name.
-        balance: Blocks per stage (one entry per stage of a pipeline, ``stages_per_rank`` per rank), summing to the
-            container's length; by default an even split.
+        balance: How the blocks are split into stages (``stages_per_rank x pipeline_parallel_size`` of them), each a
+            contiguous run of at least one block: ``"uniform"`` (or ``None``, the default) an even split of the block
+            count; ``"params"`` even parameter counts (the blocks' own); ``"time"`` the split whose slowest stage is
+            fastest, by each block's forward and backward time measured on global rank 0 on micro-batch 0 of the
+            first training batch (the first stage also pays the step's work before the blocks, the last the head and
+            loss), broadcast to every rank (outside ``fit`` it falls back to ``"params"``); or a list of blocks per
+            stage summing to the container's length. The split is made in the first run on a module; later runs on
+            it keep it.
         timeout: Seconds a stage waits for a peer's transfer before raising
             :class:`~lightning_pp.PipelineTimeoutError` naming the stage, the action and the peer; a rank still alive
             this long (plus 5 s) after another rank of the job failed ends itself.
@@ -143,6 +155,12 @@ class PipelineParallelStrategy(ParallelStrategy):
             every block; an int ``n``: every ``n``-th block of the container), with ``torch.utils.checkpoint``
             (non-reentrant, the random state restored, so dropout masks are the same in the recompute): activation
             memory for compute.
+        outside_weights: Where the weights outside the blocks live. ``"where_used"``: observed on the first
+            training step, each is kept, with its gradient and optimizer state, only on the ranks whose work uses it
+            (an embedding on the first stage, a head on the last, a tied embedding/head on both), and its gradient is
+            summed among those; elsewhere its module becomes a weightless stand-in. Frozen weights are placed once
+            they become trainable. The rule, and what stays everywhere: :mod:`lightning_pp.model.placement`.
+            ``"everywhere"``: every rank holds all of them.
         microbatch_weight: What a micro-batch's training loss averages over, as a function of the micro-batch; by
             default its number of samples. Losses and logged means of the micro-batches are combined with these
             weights, so for a loss that averages over tokens with padding ignored (Hugging Face causal LMs with
@@ -171,7 +189,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         microbatches: int | None = None,
         blocks: str | None = None,
         sequential: str | None = None,
-        balance: Sequence[int] | None = None,
+        balance: Sequence[int] | str | None = None,
         timeout: float = 300.0,
         process_group_timeout: float | timedelta | None = None,
         checkpoint_format: str = "full",
@@ -179,6 +197,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         reuse_cpu_memory: bool = True,
         microbatch_weight: Callable[[Any], Any] | None = None,
         activation_checkpointing: bool | int = False,
+        outside_weights: str = "where_used",
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None,
@@ -231,10 +250,12 @@ class PipelineParallelStrategy(ParallelStrategy):
         _check(blocks is None or sequential is None or blocks == sequential,
                f"blocks={blocks!r} and sequential={sequential!r} name different containers; `sequential` is the "
                f"former name of `blocks`: pass only blocks=...")
-        _check(balance is None or (isinstance(balance, Sequence) and not isinstance(balance, str) and len(balance) > 0
+        _check(balance in BALANCE_MODES if isinstance(balance, str) else
+               balance is None or (isinstance(balance, Sequence) and not isinstance(balance, str) and len(balance) > 0
                                    and all(_is_int(n) and n >= 1 for n in balance)),
-               f"balance={balance!r} must list at least one block for every stage (a list of positive integers, "
-               f"e.g. balance=[3, 5]).")
+               f"balance={balance!r} must be 'uniform' (an even split), 'params' (even parameter counts), 'time' "
+               f"(measured forward and backward time) or a list of at least one block for every stage (positive "
+               f"integers, e.g. balance=[3, 5]).")
         transfer_seconds = _seconds(timeout)
         _check(transfer_seconds is not None and transfer_seconds > 0,
                f"timeout={timeout!r} ({type(timeout).__name__}) must be a positive number of seconds, e.g. "
@@ -256,6 +277,9 @@ class PipelineParallelStrategy(ParallelStrategy):
                                                               and activation_checkpointing >= 1),
                f"activation_checkpointing={activation_checkpointing!r} ({type(activation_checkpointing).__name__}) "
                f"must be True (recompute every block in backward), False, or a positive int n (every n-th block).")
+        _check(outside_weights in ("where_used", "everywhere"),
+               f"outside_weights={outside_weights!r}; use 'where_used' (each weight outside the blocks only on the "
+               f"ranks that use it) or 'everywhere' (on every rank).")
         _check(isinstance(reuse_cpu_memory, bool),
                f"reuse_cpu_memory={reuse_cpu_memory!r} ({type(reuse_cpu_memory).__name__}) must be True or False.")
         self.checkpoint_format = checkpoint_format
@@ -264,7 +288,8 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._pipeline_parallel_size = pipeline_parallel_size
         self._microbatches = microbatches
         self._blocks_name = blocks if blocks is not None else sequential
-        self._balance = list(balance) if balance is not None else None
+        self._balance = list(balance) if balance is not None and not isinstance(balance, str) else None
+        self._balance_by = balance if isinstance(balance, str) else None  # "uniform", "params", "time"
         self.timeout = float(transfer_seconds or 0)
         self.process_group_timeout = (timedelta(seconds=group_seconds) if group_seconds is not None
                                       else default_pg_timeout)
@@ -273,6 +298,8 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._microbatch_weight = microbatch_weight
         # recompute every n-th block in backward; 0: keep every activation
         self._checkpoint_every = int(activation_checkpointing) if activation_checkpointing is not False else 0
+        self._outside_weights = outside_weights
+        self._placement: WeightPlacement | None = None
         self._num_nodes = 1
         self._partition: Partition | None = None
         self._driver: StepDriver | None = None
@@ -338,6 +365,11 @@ class PipelineParallelStrategy(ParallelStrategy):
     @property
     def microbatches(self) -> int:
         return self._microbatches if self._microbatches is not None else 2 * self.num_stages
+
+    @property
+    def last_grad_sync_bytes(self) -> int:
+        """Gradient bytes this rank all-reduced at the latest optimizer step (replicas' average, shared weights)."""
+        return self._grads.last_bytes if self._grads is not None else 0
 
     @property
     def last_schedule(self) -> Schedule | None:
@@ -424,10 +456,14 @@ class PipelineParallelStrategy(ParallelStrategy):
                 f"automatic optimization, where Lightning calls the optimizers after the pipelined step."
             )
         schedule = self._schedule(self.microbatches, forward_only=False)  # raises for a count it cannot run
-        partition = self._partition = split_module(module, self._blocks_name, self._balance,
+        partition = self._partition = split_module(module, self._blocks_name, self._balance_for(trainer, module),
                                                    schedule.stages_of(self.stage), schedule.num_stages)
         if self._checkpoint_every:
             partition.view.checkpoint_blocks(self._checkpoint_every)
+        placement = _PLACEMENTS.get(module)
+        if placement is not None and placement.users:  # an earlier run left some weights on some ranks only
+            placement.restore(lambda tensors, position: broadcast_tensors(
+                tensors, self.layout.rank(position, 0), None, self.root_device))
         assert self.model is not None
         self.model = self.precision_plugin.convert_module(self.model)
         self.model_to_device()
@@ -445,6 +481,12 @@ class PipelineParallelStrategy(ParallelStrategy):
             own = [t for t in (*module.parameters(), *module.buffers()) if id(t) not in everywhere]
             broadcast_tensors(own, self.layout.rank(self.stage, 0), groups.replicas, self.root_device)
         self._grads = PipelineGradients(shared, groups, self.root_device)
+        self._placement = None
+        if trainer.state.fn == TrainerFn.FITTING and self.num_stages > 1 and self._outside_weights == "where_used":
+            if placement is None:
+                placement = _PLACEMENTS[module] = WeightPlacement(module, shared, self.stage, self.num_stages)
+            self._placement = placement
+        partition.view.pass_context = placement.reads if placement is not None else contextlib.nullcontext
         if trainer.state.fn == TrainerFn.FITTING:
             self._setup_optimizers_on_every_stage(trainer)
         self.setup_precision_plugin()
@@ -465,7 +507,11 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._log_recorder.attach(module, pipeline_groups)
         if self.num_stages > 1:
             stage_ranks = [groups.pipeline_ranks[rank] for rank in schedule.stage_to_rank]
-            self._p2p = StageP2P(stage_ranks, self.root_device, self.timeout, groups.p2p)
+            # NCCL: the transfers' headers travel on the host, in gloo groups of the same ranks (see StageP2P)
+            header_groups = (create_groups(self.layout, self.global_rank, lambda ranks: dist.new_group(
+                ranks, backend="gloo", timeout=self.process_group_timeout), p2p_groups=len(groups.p2p)).p2p
+                if self._process_group_backend == "nccl" else None)
+            self._p2p = StageP2P(stage_ranks, self.root_device, self.timeout, groups.p2p, header_groups=header_groups)
         self._driver = StepDriver(module, partition.view, self._p2p, self._log_recorder, self.root_device,
                                   self._schedule, self.microbatches, self._microbatch_weight, pipeline_groups,
                                   position=self.stage, shared=shared)
@@ -501,6 +547,18 @@ class PipelineParallelStrategy(ParallelStrategy):
                 f"keeps only parameters with requires_grad, without trainable ones) gets an empty list. Pass "
                 f"PipelineParallelStrategy(balance=[...]) so that every stage holds blocks with trainable weights."
             ) from error
+
+    def _balance_for(self, trainer: pl.Trainer, module: pl.LightningModule) -> list[int] | None:
+        """Blocks per stage for the split: the user's list, ``None`` for an even split, or what ``balance="params"`` /
+        ``"time"`` give (the same on every rank: ``"time"`` measures on global rank 0 and broadcasts). Nothing is
+        measured for a module an earlier run split (that split is kept) or for a single stage."""
+        num_stages = self.num_stages * self.stages_per_rank
+        if self._balance_by not in ("params", "time") or num_stages == 1 or is_split(module):
+            return self._balance
+        return resolve_balance(self._balance_by, module, self._blocks_name, num_stages, trainer,
+                               device=self.root_device, microbatches=self.microbatches,
+                               precision=self.precision_plugin, recompute_every=self._checkpoint_every,
+                               global_rank=self.global_rank, world_size=self._world, collective=self._collective)
 
     @override
     def model_to_device(self) -> None:
@@ -648,6 +706,8 @@ class PipelineParallelStrategy(ParallelStrategy):
     def _pipelined_step(self, step_name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         assert self._driver is not None and self._grads is not None and self.lightning_module is not None
         training = step_name == "training_step"
+        if training and self._placement is not None and self._placement.wants_observation():
+            self._placement.observe()
         return self._driver.run(
             step_name, args, kwargs, collective=self._collective,
             accumulation=self.lightning_module.trainer.accumulate_grad_batches if training else 1,
@@ -674,6 +734,9 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._driver.pending_grads = []
         if not self._accumulating:  # the optimizer step's backward, as DDP's
             assert self._grads is not None
+            if self._placement is not None and self._placement.observation is not None:
+                with self._collective("agreeing on which ranks use the weights outside the blocks"):
+                    self._place_outside_weights(self._placement, self._grads)
             timed = self.timing_sink is not None and self._world > 1
             if timed:  # for PipelineMonitor: wait for the queued work first, so the clock reads the collectives alone
                 _synchronize(self.root_device)
@@ -686,6 +749,36 @@ class PipelineParallelStrategy(ParallelStrategy):
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
+
+    def _place_outside_weights(self, placement: WeightPlacement, grads: PipelineGradients) -> None:
+        """After an observed step: keep each weight outside the blocks only where it is used, and give the weights
+        shared by some stages (a tied embedding and head) a group to sum their gradients in."""
+        assert self._groups is not None and self._driver is not None
+        device = self.root_device
+
+        def any_rank(flags: Tensor) -> Tensor:
+            flags = flags.to(device)
+            dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+            return flags.cpu()
+
+        def every_rank(flags: Tensor) -> Tensor:
+            gathered = [torch.zeros_like(flags, device=device) for _ in range(self._world)]
+            dist.all_gather(gathered, flags.to(device))
+            return torch.stack(gathered).cpu()
+
+        lines = placement.decide(any_rank, every_rank, self.layout.stage_of,
+                                 [getattr(o, "_optimizer", o) for o in self.optimizers])
+        log.info(lines[0])
+        for line in lines[1:]:  # weights kept on a rank that does not use them: worth a user's look
+            log.warning(line)
+        shared_by = {s for s in placement.users.values() if len(s) > 1} - grads.sharing_sets
+        if shared_by:  # the same sets on every rank: `users` came from every rank's flags
+            groups = create_sharing_groups(self.layout, shared_by, self.global_rank, self._new_group)
+            grads.sharing_sets |= shared_by
+            grads.sharing_groups.update(groups)
+            self._groups.created.extend(groups.values())
+        grads.users = placement.users
+        self._driver.shared = placement.held()
 
     # ------------------------------------------------------------------------------------------------ checkpoints
 
@@ -707,17 +800,21 @@ class PipelineParallelStrategy(ParallelStrategy):
         return [gathered[self.layout.rank(stage, 0)] for stage in range(self.num_stages)] if gathered else []
 
     def _own_state(self) -> dict[str, Tensor]:
-        """The state entries this stage holds alone (its layers), plus, on the last stage, everything replicated.
+        """The state entries this stage holds alone (its blocks), plus, on the last stage, everything else it holds,
+        and elsewhere what the last stage does not hold (weights used before the blocks only, see ``outside_weights``).
 
-        Replicated parameters are equal on every stage, but buffers are not: modules after the sequential (a
-        BatchNorm head, say) run only on the last stage, which also runs those before it, so its copies are current.
+        Replicated parameters are equal on every stage, but buffers are not: modules after the blocks (a BatchNorm
+        head, say) run only on the last stage, which also runs those before it, so its copies are current.
         """
         assert self.lightning_module is not None and self._partition is not None
         prefix = self._partition.view.container_name + "."
         view = self._partition.view
         last = view.num_stages - 1 in view.stages
+        placement = _PLACEMENTS.get(self.lightning_module)
+        not_on_last = (placement.missing_keys(self._schedule(self.microbatches, False).stage_to_rank[-1])
+                       if placement is not None and not last else set())
         return {k: v.detach().cpu() for k, v in self.lightning_module.state_dict().items()
-                if k.startswith(prefix) or last}
+                if k.startswith(prefix) or last or k in not_on_last}
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:

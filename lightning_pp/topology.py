@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
-__all__ = ["PipelineLayout", "StageGroups", "create_groups"]
+__all__ = ["PipelineLayout", "StageGroups", "create_groups", "create_sharing_groups"]
 
 
 @dataclass(frozen=True)
@@ -117,3 +117,16 @@ def create_groups(layout: PipelineLayout, rank: int, new_group: Callable[[list[i
                 created.append(group)
                 mine["replicas"] = group
     return StageGroups(layout, rank, mine["pipeline"], mine["p2p"], mine["replicas"], created, last_position)
+
+
+def create_sharing_groups(layout: PipelineLayout, position_sets: Iterable[frozenset[int]], rank: int,
+                          new_group: Callable[[list[int]], Any]) -> dict[frozenset[int], Any]:
+    """A group for each set of pipeline positions that share weights (with every replica of each), created by every
+    rank in one order; this rank keeps those it belongs to."""
+    mine: dict[frozenset[int], Any] = {}
+    for positions in sorted(set(position_sets), key=sorted):
+        ranks = sorted(layout.rank(stage, replica) for stage in positions for replica in range(layout.num_replicas))
+        group = new_group(ranks)
+        if rank in ranks:
+            mine[positions] = group
+    return mine

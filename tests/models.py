@@ -467,6 +467,36 @@ MODELS["split_sleepy8"] = lambda: _split_sleepy(8, 0.05)
 MODELS["sleepy4"] = lambda: Sleepy(layers=4, forward_s=0.12, backward_s=0.12)
 
 
+class SlowFirst(Sleepy):
+    """8 sleeping blocks, the first 8x slower than the others (forward and backward), reading a shuffling loader of
+    its own: the global random generator decides the batches, so a balance probe that drew from it would show."""
+
+    def __init__(self, base_s: float = 0.005) -> None:
+        super().__init__(layers=8, forward_s=base_s, backward_s=base_s)
+        self.layers[0] = SleepLayer(8 * base_s, 8 * base_s)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(make_data("mlp").dataset, batch_size=8, shuffle=True)
+
+
+MODELS["slow_first8"] = SlowFirst
+OWN_TRAIN_DATA.add("slow_first8")
+
+
+class Uncopyable(MLPClassifier):
+    """Holds a lock, so the module cannot be deep-copied (as with an open file or a thread handle): balance='time'
+    cannot probe a copy of it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        import threading
+
+        self.lock = threading.Lock()
+
+
+MODELS["uncopyable"] = Uncopyable
+
+
 def lifecycle(strategy: Any = "auto", devices: int = 1, **trainer_kwargs: Any) -> dict[str, Any]:
     """fit (2 epochs with validation) then validate, test and predict; everything a test compares."""
     module, logger = fit("lifecycle", strategy, devices=devices, max_steps=-1, max_epochs=2, **trainer_kwargs)

@@ -94,9 +94,10 @@ def test_buffers_outside_the_sequential_are_saved_from_the_stage_that_updates_th
 
 def test_weights_held_by_every_stage_start_from_rank_zero() -> None:
     """Each rank seeded differently builds a different head and input layer; as DDP does, every stage starts from
-    rank 0's, so after training they are still identical on every stage (``assemble`` checks)."""
-    ranks = launch(2, [{"scenario": "train", "kwargs": {"model": "mlp", "microbatches": 2, "seed_per_rank": True}}],
-                   timeout=120)
+    rank 0's, so after training they are still identical on every stage (``assemble`` checks; kept on every stage
+    with ``outside_weights="everywhere"``)."""
+    ranks = launch(2, [{"scenario": "train", "kwargs": {"model": "mlp", "microbatches": 2, "seed_per_rank": True,
+                                                         "outside_weights": "everywhere"}}], timeout=120)
     full, _ = assemble(ranks, 0)
     assert {"inp.weight", "head.weight"} <= set(ranks[0].results[0]["state"]) & set(ranks[1].results[0]["state"])
     assert "layers.0.weight" in full and "layers.6.weight" in full

@@ -15,7 +15,7 @@ from lightning_pp.model.blocks import block_count, find_blocks
 from lightning_pp.model.stage import StageView
 from lightning_pp.partition import stage_layer_ranges, uniform_balance, validate_balance
 
-__all__ = ["Partition", "split_module"]
+__all__ = ["Partition", "is_split", "split_module"]
 
 log = logging.getLogger(__name__)
 
@@ -37,6 +37,12 @@ class Partition:
 
 # modules already split in this process (a second fit / validate / test reuses the split)
 _PARTITIONS: weakref.WeakKeyDictionary[nn.Module, Partition] = weakref.WeakKeyDictionary()
+
+
+def is_split(module: nn.Module) -> bool:
+    """Whether an earlier run in this process split ``module``: :func:`split_module` then reuses that split, whatever
+    balance it is given."""
+    return module in _PARTITIONS
 
 
 def split_module(module: nn.Module, blocks: str | None, balance: Sequence[int] | None, stages: Sequence[int],

@@ -18,7 +18,7 @@ from __future__ import annotations
 import enum
 import functools
 from collections.abc import Callable, Iterator, Sequence
-from contextlib import contextmanager
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -107,6 +107,8 @@ class StageView:
         self.last_block_calls = 0  # how often this stage's last block ran in the current pass
         # called when this stage's first block is about to run in a micro-batch pass (where its own randomness starts)
         self.on_blocks_start: Callable[[], None] | None = None
+        # entered around each micro-batch pass of the user's step (the weight placement's observation)
+        self.pass_context: Callable[[], AbstractContextManager[Any]] = nullcontext
         self._received: Any = None  # what the previous stage sent (micro-batch) or the joined output (finish)
         self._handed: Any = None  # the received structure as handed to the blocks (cloned once per micro-batch)
         self.keys = _compat.child_names(container)
@@ -197,7 +199,8 @@ class StageView:
         self.mode, self._received, self._handed = Mode.MICROBATCH, received, None
         self.stop_after_blocks, self.last_block_calls = stop_after_blocks, 0
         try:
-            yield
+            with self.pass_context():
+                yield
         finally:
             self.mode, self._received, self._handed = Mode.OFF, None, None
             self._swap(others, to_stand_ins=False)

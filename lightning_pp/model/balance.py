@@ -1,0 +1,438 @@
+"""Balancing the stages before the split: blocks per stage by parameter count, or by the forward and backward time of
+each block measured on one real micro-batch.
+
+``balance="time"`` runs in ``Strategy.setup``, before the module is split and before ``configure_optimizers``. Global
+rank 0 takes the first batch of fit's training data, moves it as Lightning would (``convert_input``, the batch-transfer
+hooks), takes micro-batch 0 of it, and runs ``training_step`` on a throw-away deep copy of the module (so BatchNorm
+statistics, metric states and counters of the module are untouched, and ``self.log`` is silenced), timing the code
+before the first block, each block and the code after the last one, forward and backward. Every random generator
+(torch's CPU one and the device's CUDA one, numpy's, Python's) is restored afterwards, so training goes on exactly as
+without the probe. The costs are broadcast to every rank, and each computes the same exact split
+(:func:`~lightning_pp.partition.min_max_partition`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import random
+import statistics
+import time
+from collections.abc import Callable, Iterator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.combined_loader import CombinedLoader
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning_utilities.core.apply_func import apply_to_collection
+from torch import Tensor, nn
+
+from lightning_pp import _compat
+from lightning_pp.errors import PipelineConfigError
+from lightning_pp.microbatch import batch_size, split_batch
+from lightning_pp.model.blocks import find_blocks
+from lightning_pp.partition import min_max_partition, stage_costs, uniform_balance
+
+__all__ = ["BALANCE_MODES", "BlockCosts", "measure_block_costs", "parameter_balance", "preserved_random_state",
+           "resolve_balance"]
+
+log = logging.getLogger(__name__)
+
+BALANCE_MODES = ("uniform", "params", "time")
+_REPEATS = 3  # timed runs of the whole step and of each block alone (after one warm-up run); medians are kept
+
+
+def _blocks(container: nn.Module) -> list[nn.Module]:
+    return [getattr(container, key) for key in _compat.child_names(container)]
+
+
+def parameter_balance(container: nn.Module, num_stages: int) -> list[int]:
+    """Blocks per stage that make the stages' parameter counts as even as possible (the largest stage smallest),
+    counting each block's own parameters."""
+    counts = [sum(p.numel() for p in block.parameters()) for block in _blocks(container)]
+    return min_max_partition(counts, num_stages)
+
+
+@contextmanager
+def preserved_random_state(device: torch.device) -> Iterator[None]:
+    """Restore torch's CPU generator, ``device``'s CUDA generator, numpy's and Python's global generators on exit.
+
+    A shuffling DataLoader draws its permutation (and its workers' seeds) from torch's global generator when it is
+    iterated, and the probe's step may draw dropout masks: without this, training after the probe would see other
+    batches and other masks than a run without it.
+    """
+    try:
+        import numpy as np
+    except ImportError:  # pragma: no cover - numpy comes with torch's usual installs
+        np = None  # type: ignore[assignment]
+    numpy_state = np.random.get_state() if np is not None else None
+    python_state = random.getstate()
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []):
+        try:
+            yield
+        finally:
+            random.setstate(python_state)
+            if np is not None:
+                np.random.set_state(numpy_state)
+
+
+@dataclass(frozen=True)
+class BlockCosts:
+    """Seconds per micro-batch on one device: each block's forward and backward, and the step's work before the first
+    block (the first stage's: embeddings) and after the last one (the last stage's: head and loss)."""
+
+    forward: list[float]
+    backward: list[float]
+    before: tuple[float, float]  # forward, backward
+    after: tuple[float, float]
+
+    @property
+    def blocks(self) -> list[float]:
+        return [f + b for f, b in zip(self.forward, self.backward, strict=True)]
+
+    def to_tensor(self) -> Tensor:
+        """``[before, block 0, ..., block n-1, after]``, forward plus backward: what every rank receives."""
+        return torch.tensor([sum(self.before), *self.blocks, sum(self.after)], dtype=torch.float64)
+
+
+def _synchronize(device: torch.device) -> None:
+    # CUDA kernels run asynchronously: without waiting for them, the clock would time their launch, not their work
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def _tensors(obj: Any) -> list[Tensor]:
+    found: list[Tensor] = []
+    apply_to_collection(obj, Tensor, found.append)
+    return found
+
+
+def _differentiable(obj: Any) -> list[Tensor]:
+    return [t for t in _tensors(obj) if t.requires_grad and (t.is_floating_point() or t.is_complex())]
+
+
+def _fresh(obj: Any) -> Any:
+    """A copy of a block's inputs cut from the step's graph: tensors cloned (a block may work in place), those that
+    needed a gradient made to need one again, so the block's backward computes what it computes in the pipeline."""
+
+    def fresh(t: Tensor) -> Tensor:
+        if not t.requires_grad:
+            return t.detach().clone()
+        return t.detach().requires_grad_(True).clone()  # a leaf that needs its gradient, handed on as a non-leaf
+
+    return apply_to_collection(obj, Tensor, fresh)
+
+
+@dataclass
+class _StepRun:
+    before_forward: float
+    after_forward: float
+    backward: float | None  # the whole loss.backward(); None: no loss to back-propagate
+    after_backward: float | None  # from backward's start until the gradient reached the last block's output
+    before_backward: float | None  # from the gradient reaching the first block's inputs until backward ended
+    inputs: list[tuple[tuple[Any, ...], dict[str, Any]]]  # each block's arguments in this run
+
+
+def _run_step(module: pl.LightningModule, blocks: list[nn.Module], microbatch: Any, device: torch.device,
+              step_context: Callable[[], AbstractContextManager[Any]]) -> _StepRun:
+    """One ``training_step`` and its backward, with the clock read where the blocks start and end."""
+    calls: list[tuple[nn.Module, float, tuple[Any, ...], dict[str, Any]]] = []
+    ends: list[float] = []
+    outputs: list[Any] = []
+
+    def before_block(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        _synchronize(device)
+        calls.append((block, time.perf_counter(), args, kwargs))
+
+    def after_block(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        _synchronize(device)
+        ends.append(time.perf_counter())
+        outputs.append(output)
+
+    handles = []
+    for block in {id(b): b for b in blocks}.values():  # a block listed twice is hooked once, and runs twice
+        handles.append(block.register_forward_pre_hook(before_block, with_kwargs=True))
+        handles.append(block.register_forward_hook(after_block, with_kwargs=True))
+    try:
+        with step_context(), torch.enable_grad():
+            _synchronize(device)
+            started = time.perf_counter()
+            output = module.training_step(microbatch, 0)
+            _synchronize(device)
+            returned = time.perf_counter()
+    finally:
+        for handle in handles:
+            handle.remove()
+    if [id(call[0]) for call in calls] != [id(b) for b in blocks] or len(ends) != len(blocks):
+        raise PipelineConfigError(
+            f"training_step ran {len(calls)} block calls where the container has {len(blocks)} blocks; a pipelined "
+            f"step must run every block once per micro-batch, in order."
+        )
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    run = _StepRun(calls[0][1] - started, returned - ends[-1], None, None, None,
+                   [(args, kwargs) for _, _, args, kwargs in calls])
+    if not isinstance(loss, Tensor) or not loss.requires_grad:
+        return run
+    reached: dict[str, float] = {}
+
+    def mark(key: str, first: bool) -> Callable[[Tensor], None]:
+        def hook(grad: Tensor) -> None:
+            _synchronize(device)
+            now = time.perf_counter()
+            reached[key] = min(reached.get(key, now), now) if first else now
+
+        return hook
+
+    for t in _differentiable(outputs[-1]):
+        t.register_hook(mark("last output", first=True))  # the gradient reached the blocks: the head is done
+    first_inputs = _differentiable(run.inputs[0])
+    for t in first_inputs:
+        t.register_hook(mark("first inputs", first=False))  # the blocks are done: what is left runs before them
+    _synchronize(device)
+    started = time.perf_counter()
+    loss.backward()
+    _synchronize(device)
+    ended = time.perf_counter()
+    run.backward = ended - started
+    if "last output" in reached:
+        run.after_backward = reached["last output"] - started
+    if not first_inputs:
+        run.before_backward = 0.0  # nothing before the blocks receives a gradient through them
+    elif "first inputs" in reached:
+        run.before_backward = ended - reached["first inputs"]
+    return run
+
+
+def _time_block(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device,
+                step_context: Callable[[], AbstractContextManager[Any]], repeats: int) -> tuple[float, float]:
+    """Median forward and backward seconds of ``block`` alone on the arguments it had in the step; the backward
+    gets a gradient of ones for each of its outputs that needs one."""
+    forwards, backwards = [], []
+    for _ in range(repeats):
+        fresh_args, fresh_kwargs = _fresh(args), _fresh(kwargs)
+        with step_context(), torch.enable_grad():
+            _synchronize(device)
+            started = time.perf_counter()
+            output = block(*fresh_args, **fresh_kwargs)
+            _synchronize(device)
+            forwards.append(time.perf_counter() - started)
+        outs = _differentiable(output)
+        if outs:
+            grads = [torch.ones_like(t) for t in outs]
+            _synchronize(device)
+            started = time.perf_counter()
+            torch.autograd.backward(outs, grads)
+            _synchronize(device)
+            backwards.append(time.perf_counter() - started)
+        else:
+            backwards.append(0.0)
+        block.zero_grad(set_to_none=True)
+    return statistics.median(forwards), statistics.median(backwards)
+
+
+def measure_block_costs(module: pl.LightningModule, container_name: str, microbatch: Any, *,
+                        device: torch.device | None = None,
+                        step_context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
+                        recompute_every: int = 0, repeats: int = _REPEATS) -> BlockCosts:
+    """Time one micro-batch through ``module``'s ``training_step``: each block of ``container_name``, the code before
+    the first block and after the last, forward and backward. Runs ``module`` itself (pass a copy to keep its state):
+    one warm-up run, then ``repeats`` runs of the step and of each block alone; medians.
+
+    - **Blocks** are timed alone on the arguments they had in the step (forward pre-hooks capture them), forward, then
+      backward with a gradient of ones for each output that needs one. With activation checkpointing
+      (``recompute_every=n``: every n-th block), a recomputed block's backward also pays its forward.
+    - **Before and after the blocks**, forward: clock readings in the step where the first block starts and the last
+      one ends. Backward: gradient hooks read the clock when the gradient reaches the last block's output (the part
+      after the blocks is done) and the first block's inputs (what remains runs before the blocks; zero when they need
+      no gradient). Where a hook cannot tell (an output that needs no gradient), that part gets what ``loss.backward()``
+      took beyond the other parts and the blocks' backward, split between before and after in proportion to their
+      forward times. When ``training_step`` returns no loss tensor (``None``) or one without a gradient, the backward
+      before and after the blocks is estimated as twice their forward (the usual ratio of a backward to a forward).
+    """
+    device = device if device is not None else module.device
+    container = module.get_submodule(container_name)
+    blocks = _blocks(container)
+    _run_step(module, blocks, microbatch, device, step_context)  # warm-up: lazy initialisations, allocator, kernels
+    module.zero_grad(set_to_none=True)
+    runs = []
+    for _ in range(repeats):
+        runs.append(_run_step(module, blocks, microbatch, device, step_context))
+        module.zero_grad(set_to_none=True)
+        if len(runs) > 1:
+            runs[-1].inputs = []  # the blocks are timed alone on the first run's arguments only
+    forward, backward = [], []
+    for index, (block, (args, kwargs)) in enumerate(zip(blocks, runs[0].inputs, strict=True)):
+        f, b = _time_block(block, args, kwargs, device, step_context, repeats)
+        recomputed = recompute_every > 0 and index % recompute_every == 0
+        forward.append(f)
+        backward.append(b + f if recomputed else b)
+    module.zero_grad(set_to_none=True)
+
+    def median(values: Sequence[float | None]) -> float | None:
+        known = [v for v in values if v is not None]
+        return statistics.median(known) if len(known) == len(values) else None
+
+    before_f = statistics.median(r.before_forward for r in runs)
+    after_f = statistics.median(r.after_forward for r in runs)
+    total_b = median([r.backward for r in runs])
+    if total_b is None:
+        return BlockCosts(forward, backward, (before_f, 2 * before_f), (after_f, 2 * after_f))
+    before_b, after_b = median([r.before_backward for r in runs]), median([r.after_backward for r in runs])
+    if before_b is None or after_b is None:
+        # blocks' backward measured alone, without recomputation (the probe's blocks are not checkpointed)
+        blocks_b = sum(b - f if recompute_every > 0 and i % recompute_every == 0 else b
+                       for i, (f, b) in enumerate(zip(forward, backward, strict=True)))
+        rest = max(0.0, total_b - blocks_b - (before_b or 0.0) - (after_b or 0.0))
+        if before_b is None and after_b is None:
+            share = before_f / (before_f + after_f) if before_f + after_f > 0 else 0.5
+            before_b, after_b = rest * share, rest * (1 - share)
+        elif before_b is None:
+            before_b = rest
+        else:
+            after_b = rest
+    assert before_b is not None and after_b is not None
+    return BlockCosts(forward, backward, (before_f, before_b), (after_f, after_b))
+
+
+def _why_not_time(trainer: pl.Trainer, module: pl.LightningModule) -> str | None:
+    """Why ``balance='time'`` cannot measure in this run (the same answer on every rank), or None."""
+    if trainer.state.fn != TrainerFn.FITTING:
+        return f"trainer.{trainer.state.fn.value if trainer.state.fn else 'run'} does not train"
+    if not is_overridden("training_step", module):
+        return "the module has no training_step"
+    if trainer.limit_train_batches == 0:
+        return "limit_train_batches=0"
+    if _compat.train_data_source(trainer) is None:
+        return "fit has no train dataloader"
+    return None
+
+
+def _data_hook(probe: pl.LightningModule, trainer: pl.Trainer, name: str) -> Callable[..., Any]:
+    """A batch hook as Lightning picks it (the datamodule's when it overrides it), the module's on the probe."""
+    datamodule = getattr(trainer, "datamodule", None)  # set by the trainer's data connector
+    if datamodule is not None and is_overridden(name, datamodule):
+        return getattr(datamodule, name)  # type: ignore[no-any-return]
+    return getattr(probe, name)  # type: ignore[no-any-return]
+
+
+def _first_batch(trainer: pl.Trainer) -> tuple[Any, bool]:
+    """The first batch fit's training data gives, as the fit loop receives it; ``(None, False)`` when there is none
+    or when reading one would take it from training (a plain iterator instead of a re-iterable loader)."""
+    source = _compat.train_data_source(trainer)
+    assert source is not None
+    loaders = source.dataloader()
+    combined = loaders if isinstance(loaders, CombinedLoader) else CombinedLoader(loaders, "max_size_cycle")
+    if any(isinstance(loader, Iterator) for loader in combined.flattened):
+        return None, False
+    with _compat.fresh_persistent_workers(combined.flattened):
+        try:
+            batch, _, _ = next(iter(combined))
+        except StopIteration:
+            return None, False
+    return batch, True
+
+
+def _probe_costs(module: pl.LightningModule, container_name: str, trainer: pl.Trainer, device: torch.device,
+                 microbatches: int, precision: Precision, recompute_every: int) -> BlockCosts | None:
+    """Global rank 0's measurement on a deep copy of ``module`` (None: no batch to measure on)."""
+    with preserved_random_state(device):
+        probe = copy.deepcopy(module)  # LightningModule's pickling leaves the trainer out: attach it again
+        probe.trainer = trainer
+        for name in ("log", "log_dict"):  # the probe's calls must not reach the trainer's results
+            setattr(probe, name, _silent)
+        converted = precision.convert_module(probe)
+        assert isinstance(converted, pl.LightningModule)
+        probe = converted.to(device)
+        batch, found = _first_batch(trainer)
+        if not found:
+            return None
+        batch = precision.convert_input(batch)
+        batch = _data_hook(probe, trainer, "on_before_batch_transfer")(batch, 0)
+        batch = _data_hook(probe, trainer, "transfer_batch_to_device")(batch, device, 0)
+        batch = _data_hook(probe, trainer, "on_after_batch_transfer")(batch, 0)
+        microbatch = split_batch(batch, min(microbatches, batch_size(batch)))[0][0]
+        costs = measure_block_costs(probe, container_name, microbatch, device=device,
+                                    step_context=precision.train_step_context, recompute_every=recompute_every)
+        del probe, batch, microbatch
+    if device.type == "cuda":
+        torch.cuda.empty_cache()  # the copy's memory goes back before the stage's weights move to the device
+    return costs
+
+
+def _silent(*args: Any, **kwargs: Any) -> None:
+    pass
+
+
+def _ms(values: Sequence[float]) -> str:
+    return ", ".join(f"{1e3 * v:.2f}" for v in values)
+
+
+def resolve_balance(by: str, module: pl.LightningModule, blocks: str | None, num_stages: int, trainer: pl.Trainer, *,
+                    device: torch.device, microbatches: int, precision: Precision, recompute_every: int,
+                    global_rank: int, world_size: int,
+                    collective: Callable[[str], AbstractContextManager[None]]) -> list[int]:
+    """Blocks per stage for ``balance=by`` ("params" or "time"), the same on every rank of the job.
+
+    ``"params"``: even parameter counts (every rank computes it alike). ``"time"``: global rank 0 measures (see
+    :func:`measure_block_costs`) and broadcasts ``[before, block 0, ..., block n-1, after]`` in seconds to every rank;
+    the first of the ``num_stages`` stages pays ``before``, the last ``after``. A failure on rank 0 is broadcast too
+    (a NaN-marked tensor, then its message), so every rank raises a :class:`PipelineConfigError` instead of waiting.
+    Outside ``fit`` (``validate``/``test``/``predict`` have no training step to time), without training data, or when
+    the first training batch cannot be read without taking it from training, the split falls back to ``"params"``,
+    with a log line.
+    """
+    name, container = find_blocks(module, blocks)
+    uniform_balance(len(_blocks(container)), num_stages)  # too few blocks: an error on every rank, before measuring
+    if by == "params":
+        return parameter_balance(container, num_stages)
+    reason = _why_not_time(trainer, module)
+    if reason is None:
+        measured: BlockCosts | None = None
+        error: Exception | None = None
+        costs = torch.full((len(_blocks(container)) + 2,), -torch.inf, dtype=torch.float64)
+        if global_rank == 0:
+            try:
+                measured = _probe_costs(module, name, trainer, device, microbatches, precision, recompute_every)
+            except Exception as caught:
+                error = caught
+            costs = measured.to_tensor() if measured is not None else costs.fill_(torch.nan if error else -torch.inf)
+        if world_size > 1:
+            with collective("the broadcast of the blocks' measured costs (balance='time')"):
+                costs = costs.to(device)
+                dist.broadcast(costs, src=0)
+                costs = costs.cpu()
+        if costs.isnan().any():
+            message = [f"{type(error).__name__}: {error}" if error is not None else None]
+            if world_size > 1:
+                with collective("the broadcast of the balance probe's error (balance='time')"):
+                    dist.broadcast_object_list(message, src=0)
+            raise PipelineConfigError(
+                f"balance='time': measuring the blocks of `{name}` on global rank 0 failed ({message[0]}). Pass "
+                f"balance='params' or a list of blocks per stage instead."
+            ) from error
+        if not costs.isinf().any():
+            values = costs.tolist()
+            split = min_max_partition(values[1:-1], num_stages, first_extra=values[0], last_extra=values[-1])
+            if global_rank == 0:
+                assert measured is not None
+                per_stage = stage_costs(values[1:-1], split, values[0], values[-1])
+                log.info(f"balance='time': per block forward ms [{_ms(measured.forward)}], backward ms "
+                         f"[{_ms(measured.backward)}]; before the blocks {_ms(measured.before)} ms, after them "
+                         f"{_ms(measured.after)} ms (forward, backward); split {split}, stage costs "
+                         f"[{_ms(per_stage)}] ms per micro-batch")
+                print(f"lightning_pp: balance='time' split {split} (stage costs [{_ms(per_stage)}] ms per "
+                      f"micro-batch; per block [{_ms(values[1:-1])}] ms, before the blocks {1e3 * values[0]:.2f} ms, "
+                      f"after {1e3 * values[-1]:.2f} ms)")
+            return split
+        reason = "the train dataloader gave no batch that can be read without taking it from training"
+    split = parameter_balance(container, num_stages)
+    if global_rank == 0:
+        log.info(f"balance='time' falls back to balance='params' ({reason}): split {split}")
+    return split

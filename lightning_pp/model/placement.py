@@ -1,0 +1,425 @@
+"""Weights outside the blocks, kept only on the pipeline ranks whose work uses them.
+
+Every rank runs the user's whole step, so at first every rank holds everything outside the block container. Most of
+it serves one stage: an embedding before the blocks the first, a head after them the last. Which rank uses what is
+observed on the first training step (and again once frozen weights outside the blocks become trainable):
+
+- a rank uses a trainable weight when the weight gets a gradient there;
+- a weight without a gradient that the rank's step computed with, inside the module that holds it (a module before
+  the blocks on a later stage, whose output the received activation replaces), is not used there: the module becomes
+  a stand-in that runs it on the meta device and returns NaN (integers: zeros) of the output's shape and dtype, for
+  code that reads only those (a mask built from the embeddings' shape);
+- a weight the rank's step never touched is not used there: its module becomes a stand-in that raises if called;
+- kept where it is, because its use cannot be observed or stood in for: frozen weights (until they become
+  trainable), weights read with gradients off or by code outside their module (``F.linear(x, self.wte.weight)``),
+  weights the LightningModule holds itself, modules whose forward does not run on the meta device.
+
+A weight is then held by the ranks that use or keep it: its gradient is summed among them (and averaged over
+replicas), and its optimizer state exists only there. Weights no rank used in training (an evaluation-only head) stay
+everywhere. ``restore`` puts every weight back on every rank, from a rank that held it, before a later run.
+"""
+
+from __future__ import annotations
+
+import copy
+import logging
+import math
+from collections.abc import Callable, Iterator, Sequence
+from contextlib import AbstractContextManager, nullcontext
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+from torch import Tensor, nn
+from torch.overrides import TorchFunctionMode
+from torch.utils.hooks import RemovableHandle
+
+from lightning_pp import _compat
+from lightning_pp.errors import PipelineConfigError
+
+__all__ = ["Observation", "WeightPlacement"]
+
+log = logging.getLogger(__name__)
+
+# reads of a tensor's metadata (not of its values): they do not make a weight used
+_METADATA_PROPERTIES = frozenset({
+    "shape", "dtype", "device", "grad", "requires_grad", "is_leaf", "layout", "ndim", "grad_fn", "is_cuda", "is_meta",
+    "is_sparse", "is_quantized", "is_nested", "names", "itemsize", "nbytes", "_version", "_base", "is_mps", "is_xpu",
+})
+_METADATA_METHODS = frozenset({
+    "size", "dim", "numel", "nelement", "is_floating_point", "is_complex", "element_size", "stride", "data_ptr",
+    "get_device", "untyped_storage", "is_contiguous", "storage_offset", "__len__", "__hash__", "type",
+})
+
+
+def _reads_values(func: Any) -> bool:
+    name = getattr(func, "__name__", "")
+    if name == "__get__":
+        return getattr(getattr(func, "__self__", None), "__name__", "") not in _METADATA_PROPERTIES
+    return name not in _METADATA_METHODS
+
+
+def _tensors_in(value: Any) -> Iterator[Tensor]:
+    if isinstance(value, Tensor):
+        yield value
+    elif isinstance(value, (tuple, list)):
+        for item in value:
+            yield from _tensors_in(item)
+    elif isinstance(value, dict):
+        for item in value.values():
+            yield from _tensors_in(item)
+
+
+@dataclass
+class _Use:
+    """What one rank's step did with one weight while it was observed."""
+
+    inside: bool = False  # read by its own module's forward, with gradients on
+    elsewhere: bool = False  # read outside its module, or with gradients off
+
+
+class _ReadsObserver(TorchFunctionMode):
+    """Records which watched weights each torch function reads, and where."""
+
+    def __init__(self, observation: Observation) -> None:
+        super().__init__()
+        self.observation = observation
+
+    def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        kwargs = kwargs or {}
+        if _reads_values(func):
+            self.observation.record_reads(_tensors_in((args, kwargs)))
+        return func(*args, **kwargs)
+
+
+@dataclass
+class _Holder:
+    """A module that holds weights outside the blocks directly, and where it sits in the module tree."""
+
+    path: str
+    module: nn.Module
+    places: list[tuple[nn.Module, str]]  # (parent, attribute name) of every place it is registered
+    paths: list[str]  # its name at each of them
+
+
+@dataclass
+class Observation:
+    """One observed training step (or several, with gradient accumulation) of one rank."""
+
+    weights: list[nn.Parameter]
+    holders: dict[int, list[_Holder]]  # id(weight) -> the modules holding it
+    uses: dict[int, _Use] = field(default_factory=dict)
+    active: dict[int, int] = field(default_factory=dict)  # id(holder module) -> calls in progress
+    called: set[int] = field(default_factory=set)
+    meta_inputs: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # a call's arguments, on the meta device
+    output_dtypes: dict[int, list[torch.dtype]] = field(default_factory=dict)
+    handles: list[RemovableHandle] = field(default_factory=list)
+
+    def __post_init__(self) -> None:
+        self.uses = {id(p): _Use() for p in self.weights}
+
+    def record_reads(self, tensors: Iterator[Tensor]) -> None:
+        for t in tensors:
+            use = self.uses.get(id(t))
+            if use is None:
+                continue
+            inside = torch.is_grad_enabled() and any(self.active.get(id(h.module), 0) for h in self.holders[id(t)])
+            if inside:
+                use.inside = True
+            else:
+                use.elsewhere = True
+
+    def watch(self, module: nn.Module) -> None:
+        def before(m: nn.Module, args: Any, kwargs: Any) -> None:
+            self.active[id(m)] = self.active.get(id(m), 0) + 1
+            if id(m) not in self.called:
+                self.called.add(id(m))
+                self.meta_inputs[id(m)] = _compat.tree_map_tensors((args, kwargs), lambda t: t.to("meta"))
+            return None
+
+        def after(m: nn.Module, args: Any, output: Any) -> None:
+            self.active[id(m)] -= 1
+            if output is not None and id(m) not in self.output_dtypes:
+                self.output_dtypes[id(m)] = [t.dtype for t in _compat.tree_tensors(output)]
+
+        self.handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
+        self.handles.append(module.register_forward_hook(after, always_call=True))
+
+    def stop(self) -> None:
+        for handle in self.handles:
+            handle.remove()
+        self.handles = []
+
+
+class _Unused(nn.Module):
+    """Takes the place of a module outside the blocks whose weights this rank does not hold (see the module doc)."""
+
+    def __init__(self, path: str, original: nn.Module, twin: nn.Module | None, dtypes: list[torch.dtype] | None,
+                 position: int, holders: Sequence[int]) -> None:
+        super().__init__()
+        for key, value in vars(original).items():  # e.g. an embedding's `padding_idx`, read by the model's code
+            if not key.startswith("_") and key != "training":
+                self.__dict__[key] = value
+        self.training = original.training
+        self.__dict__["_unused"] = (path, twin, dtypes, position, tuple(holders), type(original).__name__,
+                                    {name for name, _ in original.named_parameters()})
+
+    def forward(self, *args: Any, **kwargs: Any) -> Any:
+        path, twin, dtypes, position, holders, kind, _ = self.__dict__["_unused"]
+        if twin is None:
+            raise PipelineConfigError(
+                f"`{path}` ({kind}) was called on pipeline rank {position}, where the first training step did not "
+                f"call it; its weights are kept only on pipeline rank(s) {list(holders)}, which used them. Pass "
+                f"PipelineParallelStrategy(outside_weights=\"everywhere\") to keep every weight outside the blocks on "
+                f"every rank."
+            )
+        device = next((t.device for t in _compat.tree_tensors((args, kwargs))), torch.device("cpu"))
+        twin.train(self.training)
+        with torch.no_grad():
+            output = twin(*_compat.tree_map_tensors(args, lambda t: t.to("meta")),
+                          **_compat.tree_map_tensors(kwargs, lambda t: t.to("meta")))
+        shapes = list(_compat.tree_tensors(output))
+        if dtypes is None or len(dtypes) != len(shapes):  # the observed call's dtypes (autocast) where they match
+            dtypes = [t.dtype for t in shapes]
+        filled = iter([torch.full(t.shape, math.nan if dtype.is_floating_point else 0, dtype=dtype, device=device)
+                       for t, dtype in zip(shapes, dtypes, strict=True)])
+        return _compat.tree_map_tensors(output, lambda _: next(filled))
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            if "_unused" not in self.__dict__:  # half-built (copy, unpickling)
+                raise
+            path, _, _, position, holders, _, weights = self.__dict__["_unused"]
+            if name in weights:
+                raise PipelineConfigError(
+                    f"`{path}.{name}` is held only by pipeline rank(s) {list(holders)}, which used it in the first "
+                    f"training step; rank {position} did not. Pass PipelineParallelStrategy(outside_weights="
+                    f"\"everywhere\") to keep every weight outside the blocks on every rank."
+                ) from None
+            raise
+
+    def extra_repr(self) -> str:
+        _, twin, _, _, holders, kind, _ = self.__dict__["_unused"]
+        return f"{kind} held by pipeline rank(s) {list(holders)}" + (", shape-only stand-in" if twin else "")
+
+
+def _meta_twin(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose weights and buffers live on the meta device (nothing real is copied)."""
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    return copy.deepcopy(module, memo)
+
+
+@dataclass
+class _Released:
+    weight: nn.Parameter
+    shape: torch.Size
+
+
+class WeightPlacement:
+    """Where each weight outside the blocks of one split module is held (see the module doc).
+
+    ``users`` maps ``id(weight)`` to the pipeline positions holding it once decided; a weight absent from it is held
+    by every position.
+    """
+
+    def __init__(self, module: nn.Module, weights: list[nn.Parameter], position: int, num_positions: int) -> None:
+        self.module = module
+        self.weights = weights  # every weight outside the blocks, in module order (the same on every rank)
+        self.position = position
+        self.num_positions = num_positions
+        self.users: dict[int, frozenset[int]] = {}
+        self.names = {id(p): n for n, p in module.named_parameters()}
+        self._holders = self._find_holders(module)
+        self._undecided = list(weights)  # observed on the next training step where trainable
+        self._released: list[_Released] = []
+        self._replaced: list[tuple[_Holder, _Unused]] = []
+        self.observation: Observation | None = None
+
+    def _find_holders(self, module: nn.Module) -> dict[int, list[_Holder]]:
+        watched = {id(p) for p in self.weights}
+        by_module: dict[int, _Holder] = {}
+        holders: dict[int, list[_Holder]] = {id(p): [] for p in self.weights}
+        for path, m in module.named_modules(remove_duplicate=False):
+            for _, p in m.named_parameters(recurse=False):
+                if id(p) not in watched:
+                    continue
+                holder = by_module.setdefault(id(m), _Holder(path, m, [], []))
+                if holder not in holders[id(p)]:
+                    holders[id(p)].append(holder)
+            if id(m) in by_module:
+                by_module[id(m)].paths.append(path)
+        for parent in module.modules():
+            for name, child in parent._modules.items():
+                if child is not None and id(child) in by_module:
+                    by_module[id(child)].places.append((parent, name))
+        return holders
+
+    # ------------------------------------------------------------------------------------------------ observation
+
+    def wants_observation(self) -> bool:
+        """Whether the next training step must be observed: weights not yet placed are (now) trainable."""
+        return self.observation is None and any(p.requires_grad for p in self._undecided)
+
+    def observe(self) -> None:
+        """Start observing: hooks on the modules holding undecided weights; :meth:`reads` is entered per pass."""
+        watched = [p for p in self._undecided if p.requires_grad]
+        self.observation = Observation(watched, {id(p): self._holders[id(p)] for p in watched})
+        for holder in {id(h.module): h for p in watched for h in self._holders[id(p)]}.values():
+            self.observation.watch(holder.module)
+
+    def reads(self) -> AbstractContextManager[Any]:
+        """Around one pass of the user's step: record the weights it reads (a no-op when not observing)."""
+        return _ReadsObserver(self.observation) if self.observation is not None else nullcontext()
+
+    # ------------------------------------------------------------------------------------------------ decision
+
+    def decide(self, any_rank: Callable[[Tensor], Tensor], every_rank: Callable[[Tensor], Tensor],
+               position_of: Callable[[int], int], optimizers: Sequence[torch.optim.Optimizer]) -> list[str]:
+        """End the observation and place the observed weights; return what to log.
+
+        ``any_rank(flags)`` is the max of an int tensor over the world; ``every_rank(flags)`` stacks every rank's
+        (world x n); ``position_of(rank)`` is a rank's place in its pipeline. Every rank calls this at the same step.
+        """
+        observation = self.observation
+        assert observation is not None
+        observation.stop()
+        self.observation = None
+        weights = observation.weights
+        frozen = {id(p) for p in weights if not p.requires_grad}  # frozen again before the step ended
+        used_here = [id(p) in frozen or p.grad is not None or observation.uses[id(p)].elsewhere for p in weights]
+        used_anywhere = any_rank(torch.tensor(used_here, dtype=torch.int32)).tolist()
+        releasable = {id(p) for p, here, anywhere in zip(weights, used_here, used_anywhere, strict=True)
+                      if anywhere and not here}
+        replaceable, kept_why = self._replaceable(weights, releasable, observation)
+        released_here = [id(p) in releasable and all(id(h.module) in replaceable for h in self._holders[id(p)])
+                         for p in weights]
+        keeps = every_rank(torch.tensor([not r for r in released_here], dtype=torch.int32))
+        decided = {id(p) for p in weights if id(p) not in frozen}
+        self._undecided = [p for p in self._undecided if id(p) not in decided]
+        for index, p in enumerate(weights):
+            if id(p) in frozen:
+                continue
+            holders = frozenset(position_of(rank) for rank in range(keeps.shape[0]) if keeps[rank, index])
+            if len(holders) < self.num_positions:
+                self.users[id(p)] = holders
+            if (self.position not in holders) != released_here[index]:
+                raise PipelineConfigError(
+                    f"Data-parallel replicas of pipeline rank {self.position} disagree on whether their step uses "
+                    f"`{self.names[id(p)]}`; the model's step must do the same on every replica. Pass "
+                    f"PipelineParallelStrategy(outside_weights=\"everywhere\") to keep weights outside the blocks on "
+                    f"every rank."
+                )
+        self._release([p for p, r in zip(weights, released_here, strict=True) if r], replaceable, observation,
+                      optimizers)
+        return self._report(weights, released_here, kept_why)
+
+    def _replaceable(self, weights: list[nn.Parameter], releasable: set[int],
+                     observation: Observation) -> tuple[set[int], dict[str, str]]:
+        """The modules (ids) this rank can stand in for, and why the others holding releasable weights stay."""
+        replaceable: set[int] = set()
+        kept_why: dict[str, str] = {}
+        candidates = {id(h.module): h for p in weights if id(p) in releasable for h in self._holders[id(p)]}
+        for key, holder in candidates.items():
+            why = None
+            if not holder.places:
+                why = "held by the LightningModule itself"
+            elif any(id(q) not in releasable for q in holder.module.parameters()):
+                why = "it holds weights this rank uses"
+            elif key in observation.called:
+                try:
+                    args, kwargs = observation.meta_inputs[key]
+                    with torch.no_grad():
+                        _meta_twin(holder.module)(*args, **kwargs)
+                except Exception as error:  # any failure means it cannot be stood in for
+                    why = f"it does not run on the meta device ({type(error).__name__}: {error})"
+            if why is None:
+                replaceable.add(key)
+            else:
+                kept_why[holder.path] = why
+        return replaceable, kept_why
+
+    def _release(self, released: list[nn.Parameter], replaceable: set[int], observation: Observation,
+                 optimizers: Sequence[torch.optim.Optimizer]) -> None:
+        ids = {id(p) for p in released}
+        modules = {id(h.module): h for p in released for h in self._holders[id(p)] if id(h.module) in replaceable}
+        for key, holder in modules.items():
+            twin = _meta_twin(holder.module) if key in observation.called else None
+            holders = sorted(set().union(*(self.users[id(p)] for p in holder.module.parameters())))
+            stand_in = _Unused(holder.path, holder.module, twin, observation.output_dtypes.get(key), self.position,
+                               holders)
+            for parent, name in holder.places:
+                setattr(parent, name, stand_in)
+            self._replaced.append((holder, stand_in))
+        for optimizer in optimizers:
+            for group in optimizer.param_groups:
+                group["params"] = [p for p in group["params"] if id(p) not in ids]
+            for p in released:
+                optimizer.state.pop(p, None)
+        with torch.no_grad():
+            for p in released:
+                self._released.append(_Released(p, p.shape))
+                p.grad = None
+                p.data = torch.empty(0, dtype=p.dtype, device=p.device)
+
+    def _report(self, weights: list[nn.Parameter], released_here: list[bool], kept_why: dict[str, str]) -> list[str]:
+        def mib(params: list[nn.Parameter]) -> str:
+            return f"{sum(self._numel(p) * p.element_size() for p in params) / 2**20:.1f} MiB"
+
+        released = [p for p, r in zip(weights, released_here, strict=True) if r]
+        lines = [f"pipeline rank {self.position}: of {len(weights)} weights outside the blocks ({mib(weights)}), "
+                 f"{len(released)} ({mib(released)}) are held only by the ranks that use them"]
+        lines += [f"pipeline rank {self.position}: `{path}` stays here: {why}" for path, why in kept_why.items()]
+        return lines
+
+    def _numel(self, p: nn.Parameter) -> int:
+        for released in self._released:
+            if released.weight is p:
+                return math.prod(released.shape)
+        return p.numel()
+
+    def missing_keys(self, position: int) -> set[str]:
+        """The state-dict keys pipeline ``position`` does not hold: those of the modules it stands in for."""
+        missing: set[str] = set()
+        holders = {id(h.module): h for hs in self._holders.values() for h in hs}.values()
+        for holder in holders:
+            weights = list(holder.module.parameters())
+            if weights and all(position not in self.users.get(id(p), (position,)) for p in weights):
+                for path in holder.paths:
+                    missing.update(f"{path}.{key}" for key in holder.module.state_dict())
+        return missing
+
+    def held(self) -> list[nn.Parameter]:
+        """The weights outside the blocks this rank holds."""
+        gone = {id(r.weight) for r in self._released}
+        return [p for p in self.weights if id(p) not in gone]
+
+    # ------------------------------------------------------------------------------------------------ restore
+
+    def restore(self, broadcast: Callable[[list[Tensor], int], None]) -> None:
+        """Every weight back on every rank (collective): ``broadcast(tensors, position)`` sends a position's values.
+
+        Stand-ins give their place back to the original modules, and each weight held by some ranks only is
+        re-allocated and filled from the first position holding it.
+        """
+        for holder, _ in self._replaced:
+            for parent, name in holder.places:
+                setattr(parent, name, holder.module)
+        with torch.no_grad():
+            for released in self._released:
+                released.weight.data = torch.empty(released.shape, dtype=released.weight.dtype,
+                                                   device=released.weight.device)
+        by_source: dict[int, list[Tensor]] = {}
+        for p in self.weights:
+            if id(p) in self.users:
+                by_source.setdefault(min(self.users[id(p)]), []).append(p)
+        for source in sorted(by_source):
+            broadcast(by_source[source], source)
+        self.users = {}
+        self._released, self._replaced = [], []
+        self._undecided = list(self.weights)

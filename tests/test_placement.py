@@ -1,0 +1,190 @@
+"""Weights outside the blocks kept only on the ranks that use them (``outside_weights="where_used"``).
+
+Single-process tier: the decision rule on a toy module, the other rank's flags given by hand. Multi-process tier: who
+holds what in real jobs (that training still equals one device is checked by every equivalence test, which run with
+the default placement).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import pytest
+import torch
+from _launch import launch
+from torch import nn
+
+from lightning_pp import PipelineParallelStrategy
+from lightning_pp.errors import PipelineConfigError
+from lightning_pp.model.placement import WeightPlacement
+
+
+class Toy(nn.Module):
+    """An embedding and a position table before the blocks, a head after them, a scale the module holds itself."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.emb = nn.Embedding(10, 4, padding_idx=0)
+        self.pos = nn.Embedding(8, 4)
+        self.blocks = nn.Sequential(nn.Linear(4, 4))
+        self.head = nn.Linear(4, 3)
+        self.scale = nn.Parameter(torch.ones(()))
+
+
+def outside(module: nn.Module) -> list[nn.Parameter]:
+    return [p for name, p in module.named_parameters() if not name.startswith("blocks.")]
+
+
+def place(module: nn.Module, step: Callable[[], torch.Tensor], position: int, used_elsewhere: bool = True,
+          optimizer: torch.optim.Optimizer | None = None) -> tuple[WeightPlacement, list[str]]:
+    """Observe ``step`` (whose loss is back-propagated) on ``position`` of 2; the other rank keeps every weight and,
+    with ``used_elsewhere``, uses every weight."""
+    placement = WeightPlacement(module, outside(module), position, 2)
+    assert placement.wants_observation()
+    placement.observe()
+    with placement.reads():
+        loss = step()
+    loss.backward()
+
+    def any_rank(flags: torch.Tensor) -> torch.Tensor:
+        return torch.ones_like(flags) if used_elsewhere else flags
+
+    def every_rank(keeps: torch.Tensor) -> torch.Tensor:
+        other = torch.ones_like(keeps)
+        return torch.stack([keeps, other] if position == 0 else [other, keeps])
+
+    lines = placement.decide(any_rank, every_rank, lambda rank: rank, [optimizer] if optimizer else [])
+    return placement, lines
+
+
+def test_a_module_whose_output_is_replaced_becomes_a_shape_only_stand_in() -> None:
+    """The last stage runs the embedding, but the received activation replaces its output: the embedding's weight
+    leaves, and its module returns NaN of the right shape and dtype; the position table, never called, raises."""
+    toy = Toy()
+    emb_weight, pos_weight = toy.emb.weight, toy.pos.weight
+    optimizer = torch.optim.AdamW(toy.parameters())
+    received = torch.randn(2, 5, 4)
+
+    def last_stage_step() -> torch.Tensor:
+        toy.emb(torch.randint(10, (2, 5)))  # computed, then replaced by what the previous stage sent
+        assert toy.emb.weight.dtype == torch.float32  # a metadata read is no use
+        return (toy.head(toy.blocks(received)) * toy.scale).sum()
+
+    placement, lines = place(toy, last_stage_step, position=1, optimizer=optimizer)
+    assert placement.users == {id(emb_weight): {0}, id(pos_weight): {0}}
+    out = toy.emb(torch.tensor([[1, 2, 3]]))
+    assert out.shape == (1, 3, 4) and out.dtype == torch.float32 and out.isnan().all() and not out.requires_grad
+    assert toy.emb.padding_idx == 0  # plain attributes stay readable
+    with pytest.raises(PipelineConfigError, match="outside_weights"):
+        _ = toy.emb.weight
+    with pytest.raises(PipelineConfigError, match="did not call it"):
+        toy.pos(torch.tensor([0]))
+    assert emb_weight.numel() == 0 and emb_weight.grad is None  # the memory is gone
+    assert sorted(toy.state_dict()) == ["blocks.0.bias", "blocks.0.weight", "head.bias", "head.weight", "scale"]
+    assert {id(p) for p in optimizer.param_groups[0]["params"]} == {id(p) for p in toy.parameters()}
+    assert placement.missing_keys(1) == {"emb.weight", "pos.weight"} and placement.missing_keys(0) == set()
+    assert "of 5 weights" in lines[0] and ", 2 (" in lines[0], lines
+    assert {id(p) for p in placement.held()} == {id(toy.head.weight), id(toy.head.bias), id(toy.scale)}
+
+    sources: list[tuple[list[torch.Tensor], int]] = []
+    placement.restore(lambda tensors, position: sources.append((tensors, position)))
+    assert isinstance(toy.emb, nn.Embedding) and toy.emb.weight is emb_weight and emb_weight.shape == (10, 4)
+    assert [(len(tensors), position) for tensors, position in sources] == [(2, 0)]
+    assert placement.users == {} and placement.wants_observation()
+
+
+def test_the_first_stage_keeps_what_it_uses_and_drops_the_head() -> None:
+    toy = Toy()
+
+    def first_stage_step() -> torch.Tensor:
+        ids = torch.randint(10, (2, 5))
+        hidden = toy.emb(ids) + toy.pos(torch.arange(5))
+        return toy.blocks(hidden).sum()  # stands for what is sent on; its gradient comes back from the next stage
+
+    placement, _ = place(toy, first_stage_step, position=0)
+    assert set(placement.users.values()) == {frozenset({1})}  # the head's weight, bias and the scale
+    with pytest.raises(PipelineConfigError, match="did not call it"):
+        toy.head(torch.zeros(1, 4))
+    assert isinstance(toy.emb, nn.Embedding) and toy.scale.numel() == 1  # the module's own weight cannot leave
+
+
+class Kept(nn.Module):
+    """Weights whose use cannot be observed or stood in for."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.read_outside = nn.Linear(4, 4)  # read by the step's own code, not its module
+        self.no_grad = nn.Linear(4, 4)  # run under torch.no_grad()
+        self.frozen = nn.Linear(4, 4).requires_grad_(False)
+        self.data_dependent = DataDependent()
+        self.unused = nn.Linear(4, 4)  # no rank uses it
+        self.blocks = nn.Sequential(nn.Linear(4, 4))
+
+
+class DataDependent(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.randn(4, 4))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = x @ self.weight
+        return y[: int(y.sum().item() > 0) + 1]  # reads a value: cannot run on the meta device
+
+
+def test_weights_whose_use_cannot_be_observed_or_stood_in_for_stay() -> None:
+    """Read by the step's own code or with gradients off: used. Frozen: not observed until trainable. A module that
+    does not run on the meta device: kept, with the reason in a log line. Never called: gone."""
+    kept = Kept()
+    x = torch.randn(2, 4)
+
+    def step() -> torch.Tensor:
+        nn.functional.linear(x, kept.read_outside.weight)  # output unused, but read outside its module
+        with torch.no_grad():
+            kept.no_grad(x)
+        kept.frozen(x)
+        kept.data_dependent(x)  # output unused
+        return kept.blocks(x).sum()
+
+    placement, lines = place(kept, step, position=1)
+    assert all(isinstance(m, nn.Linear) for m in (kept.read_outside, kept.no_grad, kept.frozen))
+    assert isinstance(kept.data_dependent, DataDependent) and kept.data_dependent.weight.numel() == 16
+    assert any("`data_dependent` stays here" in line and "meta device" in line for line in lines), lines
+    assert not isinstance(kept.unused, nn.Linear)  # never called here, used by the other rank
+    assert not placement.wants_observation()
+    kept.frozen.requires_grad_(True)  # unfrozen (BackboneFinetuning): observed again on the next training step
+    assert placement.wants_observation()
+
+
+def test_weights_no_rank_uses_stay_everywhere() -> None:
+    """An evaluation-only module (here: the embeddings, which no rank's training step used) stays on every rank."""
+    toy = Toy()
+    placement, _ = place(toy, lambda: toy.head(toy.blocks(torch.randn(2, 4))).sum(), position=1, used_elsewhere=False)
+    assert placement.users == {} and isinstance(toy.emb, nn.Embedding) and toy.emb.weight.numel() == 40
+
+
+def test_outside_weights_argument_is_checked() -> None:
+    with pytest.raises(PipelineConfigError, match="outside_weights='somewhere'"):
+        PipelineParallelStrategy(outside_weights="somewhere")
+
+
+def held_outside(result: dict[str, Any], blocks: str) -> set[str]:
+    return {k for k in result["state"] if not k.startswith(blocks)}
+
+
+def test_real_jobs_hold_each_weight_where_it_is_used() -> None:
+    """Hugging Face GPT-2 on 2 stages: the tied embedding/head on both, the position table on the first, the final
+    norm on the last; the tied LM on 4 stages: the embedding on the first and last only (their own group sums its
+    gradient); with ``outside_weights="everywhere"`` every stage holds everything."""
+    gpt2 = launch(2, [{"scenario": "train_real", "kwargs": {"model": "hf_gpt2", "schedule": "1f1b"}}], timeout=200)
+    first, last = (held_outside(rank.results[0], "model.transformer.h.") for rank in gpt2)
+    assert any("wpe" in k for k in first) and not any("wpe" in k for k in last), (first, last)
+    assert any("ln_f" in k for k in last) and not any("ln_f" in k for k in first), (first, last)
+    assert any("wte" in k for k in first) and any("wte" in k for k in last), (first, last)
+    runs = [{"scenario": "train", "kwargs": {"model": "tied", "microbatches": 4, **extra}}
+            for extra in ({}, {"outside_weights": "everywhere"})]
+    tied = launch(4, runs, timeout=200)
+    assert [sorted(held_outside(rank.results[0], "blocks.")) for rank in tied] == [
+        ["embed.weight"], [], [], ["embed.weight", "norm.bias", "norm.weight"]]
+    assert all(sorted(held_outside(rank.results[1], "blocks.")) == ["embed.weight", "norm.bias", "norm.weight"]
+               for rank in tied)
