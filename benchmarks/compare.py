@@ -64,7 +64,8 @@ Definitions (``p`` stages, ``m`` micro-batches, ``T_single`` the single-process 
   wall time the stages did not compute), median over a separate short run with ``logging_interval=1`` (that run is
   not used for step times, as timing every action costs a little). lightning_pp only.
 - **peak activation memory per stage**, measured over one step after warm-up, the same way for all runners (for
-  lightning_pp in the monitor run; for the plain loops in one extra step after the timed ones, which is not timed):
+  lightning_pp in the monitor run; for the plain loops in one extra step after the timed ones, which is not timed),
+  by the meters of ``lightning_pp._memory`` that ``PipelineMonitor``'s ``peak_memory_mb`` uses:
 
   - CPU has no allocator peak to read, so this counts the bytes of tensors saved for backward:
     ``torch.autograd.graph.saved_tensors_hooks`` records every saved tensor; its storage is counted once
@@ -88,11 +89,14 @@ import subprocess
 import sys
 import tempfile
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager, nullcontext
+from collections.abc import Callable
+from contextlib import nullcontext
 from itertools import pairwise
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from lightning_pp._memory import AllocatorPeakMeter, SavedTensorMeter
 
 NUM_LAYERS = 8
 GPT_DIM, GPT_HEADS, GPT_BLOCK, GPT_VOCAB, GPT_BATCH = 256, 4, 64, 64, 32
@@ -199,95 +203,6 @@ def step_windows(marks: list[float]) -> list[float]:
     return [end - start for start, end in pairwise(marks)]
 
 
-class SavedTensorMeter:
-    """Peak bytes of live tensors saved for backward (storage-deduplicated, parameters excluded)."""
-
-    def __init__(self, exclude_ptrs: set[int]) -> None:
-        self.exclude = exclude_ptrs
-        self.refs: dict[int, list[int]] = {}  # storage ptr -> [nbytes, live references]
-        self.live = 0
-        self.peak = 0
-
-    def _release(self, ptr: int) -> None:
-        entry = self.refs.get(ptr)
-        if entry is None:
-            return
-        entry[1] -= 1
-        if entry[1] == 0:
-            self.live -= entry[0]
-            del self.refs[ptr]
-
-    @contextmanager
-    def measure(self) -> Iterator[None]:
-        import torch
-
-        meter = self
-
-        class _Handle:
-            __slots__ = ("ptr", "tensor")
-
-            def __init__(self, tensor: torch.Tensor, ptr: int | None) -> None:
-                self.tensor = tensor
-                self.ptr = ptr
-
-            def __del__(self) -> None:
-                if self.ptr is not None:
-                    meter._release(self.ptr)
-
-        def pack(tensor: torch.Tensor) -> _Handle:
-            try:
-                storage = tensor.untyped_storage()
-                ptr, nbytes = storage.data_ptr(), storage.nbytes()
-            except (RuntimeError, NotImplementedError):
-                return _Handle(tensor, None)
-            if ptr in meter.exclude or nbytes == 0:
-                return _Handle(tensor, None)
-            entry = meter.refs.get(ptr)
-            if entry is None:
-                meter.refs[ptr] = [nbytes, 1]
-                meter.live += nbytes
-                meter.peak = max(meter.peak, meter.live)
-            else:
-                entry[1] += 1
-            return _Handle(tensor, ptr)
-
-        def unpack(handle: _Handle) -> torch.Tensor:
-            return handle.tensor
-
-        with torch.autograd.graph.saved_tensors_hooks(pack, unpack):
-            yield
-
-
-class AllocatorPeakMeter:
-    """Peak bytes the CUDA caching allocator handed out during a step, above what was allocated when it began."""
-
-    def __init__(self, device: Any) -> None:
-        self.device = device
-        self.peak = 0
-
-    @contextmanager
-    def measure(self) -> Iterator[None]:
-        import torch
-
-        torch.cuda.synchronize(self.device)
-        base = torch.cuda.memory_allocated(self.device)
-        torch.cuda.reset_peak_memory_stats(self.device)
-        try:
-            yield
-        finally:
-            torch.cuda.synchronize(self.device)
-            self.peak = max(self.peak, torch.cuda.max_memory_allocated(self.device) - base)
-
-
-def param_ptrs(module: Any) -> set[int]:
-    return {p.untyped_storage().data_ptr() for p in module.parameters()}
-
-
-def step_memory_meter(module: Any, device: Any) -> SavedTensorMeter | AllocatorPeakMeter:
-    """How a step's activation memory is measured on ``device`` (see the module docstring)."""
-    return AllocatorPeakMeter(device) if device.type == "cuda" else SavedTensorMeter(param_ptrs(module))
-
-
 def run_device(settings: dict[str, Any]) -> Any:
     """This process's device for the ``"device"`` of ``settings`` (a run or the whole spec): GPU ``LOCAL_RANK`` for
     ``cuda``, else the CPU."""
@@ -320,6 +235,8 @@ def summarize(times: list[float]) -> dict[str, float] | None:
 def worker_single(run: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
+
+    from lightning_pp._memory import step_memory_meter
 
     device = run_device(run)
     model: Any
@@ -365,6 +282,8 @@ def worker_torch(run: dict[str, Any], rank: int) -> dict[str, Any]:
     from torch.distributed.pipelining import PipelineStage, Schedule1F1B, ScheduleGPipe
     from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble
     from torch.nn.parallel import DistributedDataParallel
+
+    from lightning_pp._memory import step_memory_meter
 
     device = run_device(run)
     layers = make_layers(run["hidden"])
@@ -440,6 +359,7 @@ def worker_lightning(run: dict[str, Any], rank: int) -> dict[str, Any]:
     from torch import nn
 
     from lightning_pp import PipelineMonitor, PipelineParallelStrategy
+    from lightning_pp._memory import step_memory_meter
 
     hidden = run["hidden"]
 

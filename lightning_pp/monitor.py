@@ -9,6 +9,7 @@ import numbers
 import os
 import time
 from collections.abc import Sequence
+from contextlib import ExitStack
 from pathlib import Path
 from typing import Any
 
@@ -17,7 +18,9 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
+from lightning_pp._memory import AllocatorPeakMeter, SavedTensorMeter, stage_parameter_bytes, step_memory_meter
 from lightning_pp.errors import PipelineConfigError
+from lightning_pp.model.stage import StageView
 from lightning_pp.schedules import Action, Schedule
 from lightning_pp.simulate import (
     BACKWARD,
@@ -38,6 +41,7 @@ __all__ = ["PipelineMonitor", "draw_timelines", "to_chrome_trace"]
 _COLOURS = {FORWARD: "#4c72b0", BACKWARD: "#dd8452", BACKWARD_INPUT: "#c44e52", BACKWARD_WEIGHT: "#8172b3",
             COMM_WAIT: "#c8c8c8", COMM_TRANSFER: "#55a868"}
 _STAGE_KEYS = ("forward_ms", "backward_ms", "comm_wait_ms", "comm_transfer_ms", "idle_ms", "bubble_fraction")
+_MIB = 2**20
 
 
 def _step_count(name: str, value: object, example: str) -> int:
@@ -74,6 +78,18 @@ class PipelineMonitor(pl.Callback):
     - ``pipeline/predicted_bubble_fraction``: the simulator's bubble for this schedule, fed with the measured costs
       of every action; ``pipeline/bubble_fraction_error`` is measured minus predicted.
     - ``pipeline/step_ms`` (wall time of the pipelined step) and ``pipeline/samples_per_sec``.
+    - ``pipeline/stage{s}/peak_memory_mb``: the step's peak memory in MiB (2**20 bytes), from the start of the
+      training batch to its end (the optimizer step included). On CUDA, the caching allocator's peak above what was
+      allocated when the step began (activations, gradients, transfer buffers, the optimizer's temporaries, and on the
+      first step its state); the allocator serves the whole process, so with several stages per rank each of them
+      reports the rank's peak. Measured steps reset the allocator's peak statistics, so a peak read elsewhere
+      (``DeviceStatsMonitor``) counts from the latest measured step. On CPU, which has no allocator to ask, the peak
+      bytes of activation storage saved for backward (autograd's saved tensors, each storage counted once while a
+      saved reference to it is alive, parameters and views of them excluded), charged to the stage whose work saved
+      it.
+    - ``pipeline/stage{s}/param_memory_mb``: MiB of the parameters stage ``s`` holds when the step is logged: its
+      blocks' and, on the rank's lowest-numbered stage, the weights outside the blocks that the rank holds (a tied
+      weight counts once).
 
     Every ``timeline_every_n_steps`` steps it also logs the image ``pipeline/timeline`` (measured and predicted
     timelines, stages x time; when the logger can take images) and, with ``trace_dir``, writes a Chrome-trace file
@@ -84,7 +100,8 @@ class PipelineMonitor(pl.Callback):
     Stage clocks are aligned once at the start of training after a barrier (offsets of a few tens of microseconds).
     On CPU each action is timed with ``time.perf_counter``; on CUDA with events on the current stream, so the times
     are those of the kernels, not of their launches (see :class:`lightning_pp.runtime.EventClock`; timing a step
-    costs two device synchronisations).
+    costs two device synchronisations). On CPU, counting saved tensors runs a Python hook for each one, which adds a
+    few microseconds to each forward's time on measured steps (untimed steps have no hooks).
 
     Args:
         logging_interval: Measure and log every this many optimizer steps.
@@ -127,6 +144,8 @@ class PipelineMonitor(pl.Callback):
         self._clock_offsets: list[float] = [0.0]
         self._events: list[TimelineEvent] | None = None
         self._samples = 0
+        self._meter: SavedTensorMeter | AllocatorPeakMeter | None = None  # the measured step's memory meter
+        self._metering = ExitStack()  # holds the meter's measurement open from batch start to batch end
         self.history: list[dict[str, float]] = []  # the metrics of every measured step (on global rank 0)
 
     @staticmethod
@@ -155,7 +174,30 @@ class PipelineMonitor(pl.Callback):
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         strategy = self._strategy(trainer)
-        strategy.timing_sink = self._receive if self._measuring(trainer) else None
+        measuring = self._measuring(trainer)
+        strategy.timing_sink = self._receive if measuring else None
+        self._stop_meter()
+        if measuring:
+            view = _stage_view(strategy)
+            # packs only happen in forward passes, which set the view's stage first
+            self._meter = step_memory_meter(pl_module, strategy.root_device, stage_of=lambda: view.stage)
+            self._metering.enter_context(self._meter.measure())
+
+    def _stop_meter(self) -> SavedTensorMeter | AllocatorPeakMeter | None:
+        """End the measured step's memory measurement (if one is open); return its meter."""
+        self._metering.close()
+        meter, self._meter = self._meter, None
+        return meter
+
+    def _stage_memory(self, strategy: PipelineParallelStrategy, module: pl.LightningModule,
+                      meter: SavedTensorMeter | AllocatorPeakMeter | None) -> dict[int, tuple[int, int]]:
+        """Per stage of this rank: (peak bytes of the step, parameter bytes held now)."""
+        view = _stage_view(strategy)
+        params = stage_parameter_bytes(module, {stage: view.blocks_of(stage) for stage in view.stages})
+        if isinstance(meter, SavedTensorMeter):
+            return {stage: (meter.stage_peaks.get(stage, 0), params[stage]) for stage in view.stages}
+        peak = meter.peak if meter is not None else 0  # the allocator's peak is the rank's: every stage reports it
+        return {stage: (peak, params[stage]) for stage in view.stages}
 
     def _receive(self, events: list[TimelineEvent], samples: int) -> None:
         self._events = events
@@ -166,6 +208,7 @@ class PipelineMonitor(pl.Callback):
                            batch_idx: int) -> None:
         strategy = self._strategy(trainer)
         strategy.timing_sink = None
+        meter = self._stop_meter()
         if self._events is None:
             return
         events, self._events = self._events, None
@@ -174,7 +217,8 @@ class PipelineMonitor(pl.Callback):
         # the pipeline of replica 0 (the others run the same schedule on other samples)
         rows = ([(e.stage, e.rank, str(e.action), e.category, e.start, e.end) for e in events]
                 if strategy.replica == 0 else [])
-        mine = (strategy.stage, rows, grad_sync_ms)  # strategy.stage: this rank's place in its pipeline
+        own_memory = self._stage_memory(strategy, pl_module, meter) if strategy.replica == 0 else {}
+        mine = (strategy.stage, rows, grad_sync_ms, own_memory)  # strategy.stage: this rank's place in its pipeline
         gathered: list[Any] = [mine]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             gathered = [None] * dist.get_world_size() if trainer.is_global_zero else []
@@ -185,14 +229,16 @@ class PipelineMonitor(pl.Callback):
         assert schedule is not None  # set by the timed training step whose events these are
         timeline = Timeline(schedule.num_ranks, stage_to_rank=schedule.stage_to_rank)
         sync_ms: dict[int, float] = {}
-        for rank, (stage, rank_rows, rank_sync_ms) in enumerate(gathered):
+        memory: dict[int, tuple[int, int]] = {}  # stage -> (peak bytes, parameter bytes)
+        for rank, (stage, rank_rows, rank_sync_ms, rank_memory) in enumerate(gathered):
+            memory.update(rank_memory)
             offset = self._clock_offsets[rank] if rank < len(self._clock_offsets) else 0.0
             timeline.events += [TimelineEvent(s, Action.parse(a), c, b - offset, e - offset, rank=r)
                                 for s, r, a, c, b, e in rank_rows]
             if rank_sync_ms is not None:  # the slowest replica of the pipeline rank
                 sync_ms[stage] = max(sync_ms.get(stage, 0.0), rank_sync_ms)
         predicted = simulate(schedule, _measured_costs(timeline))
-        metrics = stage_metrics(timeline, predicted, self._samples, sync_ms)
+        metrics = stage_metrics(timeline, predicted, self._samples, sync_ms, memory)
         self.history.append({"step": float(step), **metrics})
         if trainer.loggers:
             for logger in trainer.loggers:
@@ -223,11 +269,22 @@ class PipelineMonitor(pl.Callback):
         plt.close(figure)
 
     @override
+    def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
+        self._stop_meter()
+
+    @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero and not trainer.loggers and self.history:
             schedule = self._strategy(trainer).last_schedule
             assert schedule is not None  # there is history: a measured training step ran
             print(summary_table(self.history, schedule.stage_to_rank))
+
+
+def _stage_view(strategy: PipelineParallelStrategy) -> StageView:
+    """The rank's view of the block container: its stages, their blocks, and the stage the current pass runs."""
+    driver = strategy._driver  # set up before training starts
+    assert driver is not None
+    return driver.view
 
 
 def _measured_costs(timeline: Timeline) -> Any:
@@ -240,8 +297,10 @@ def _measured_costs(timeline: Timeline) -> Any:
 
 
 def stage_metrics(measured: Timeline, predicted: Timeline, samples: int,
-                  grad_sync_ms: dict[int, float] | None = None) -> dict[str, float]:
-    """The logged numbers of one measured step (see :class:`PipelineMonitor` for their meaning)."""
+                  grad_sync_ms: dict[int, float] | None = None,
+                  memory: dict[int, tuple[int, int]] | None = None) -> dict[str, float]:
+    """The logged numbers of one measured step (see :class:`PipelineMonitor` for their meaning); ``memory`` maps a
+    stage to its peak bytes in the step and the bytes of its parameters."""
     wall = measured.makespan
     one_per_rank = measured.stage_to_rank == tuple(range(measured.num_ranks))
     split = {kind for kind in (BACKWARD_INPUT, BACKWARD_WEIGHT) if any(e.category == kind for e in measured.events)}
@@ -266,6 +325,10 @@ def stage_metrics(measured: Timeline, predicted: Timeline, samples: int,
             busy = forward + backward + backward_input + backward_weight + wait + transfer
             metrics[prefix + "idle_ms"] = 1e3 * max(0.0, wall - busy)
             metrics[prefix + "bubble_fraction"] = measured.bubble_fraction(stage)
+        if memory and stage in memory:
+            peak, params = memory[stage]
+            metrics[prefix + "peak_memory_mb"] = peak / _MIB
+            metrics[prefix + "param_memory_mb"] = params / _MIB
     for rank in range(measured.num_ranks):
         metrics[f"pipeline/rank{rank}/bubble_fraction"] = measured.bubble_fraction(rank)
         if grad_sync_ms and rank in grad_sync_ms:
@@ -279,16 +342,18 @@ def stage_metrics(measured: Timeline, predicted: Timeline, samples: int,
 
 
 def summary_table(history: Sequence[dict[str, float]], stage_to_rank: Sequence[int]) -> str:
-    """Per-stage means over the measured steps, as a text table (backward: B, or I + W when split). With several
-    stages per rank, idle time belongs to a rank, not a stage (n/a), and the bubble and gradient sync are the
-    rank's."""
+    """Per-stage means over the measured steps, as a text table (backward: B, or I + W when split), with the highest
+    peak memory of those steps and the parameters' memory at the last one (MiB). With several stages per rank, idle
+    time belongs to a rank, not a stage (n/a), and the bubble and gradient sync are the rank's."""
 
     def mean(key: str, missing: float = math.nan) -> float:
         return sum(h.get(key, missing) for h in history) / len(history)
 
     synced = all("pipeline/rank0/grad_sync_ms" in h for h in history)
+    metered = all("pipeline/stage0/peak_memory_mb" in h for h in history)
     header = f"{'stage':>5} | {'forward ms':>10} | {'backward ms':>11} | {'comm wait ms':>12} | " \
-             f"{'transfer ms':>11} | {'idle ms':>8} | {'bubble':>6}" + (f" | {'grad sync ms':>12}" if synced else "")
+             f"{'transfer ms':>11} | {'idle ms':>8} | {'bubble':>6}" + (f" | {'grad sync ms':>12}" if synced else "") \
+             + (f" | {'peak memory MiB':>15} | {'params MiB':>10}" if metered else "")
     lines = [f"PipelineMonitor: mean over {len(history)} measured steps", header, "-" * len(header)]
     for stage, rank in enumerate(stage_to_rank):
         p, r = f"pipeline/stage{stage}/", f"pipeline/rank{rank}/"
@@ -297,7 +362,9 @@ def summary_table(history: Sequence[dict[str, float]], stage_to_rank: Sequence[i
         lines.append(f"{stage:>5} | {mean(p + 'forward_ms'):>10.2f} | {backward:>11.2f} | "
                      f"{mean(p + 'comm_wait_ms'):>12.2f} | {mean(p + 'comm_transfer_ms'):>11.2f} | "
                      f"{idle} | {mean(r + 'bubble_fraction'):>6.3f}"
-                     + (f" | {mean(r + 'grad_sync_ms'):>12.2f}" if synced else ""))
+                     + (f" | {mean(r + 'grad_sync_ms'):>12.2f}" if synced else "")
+                     + (f" | {max(h[p + 'peak_memory_mb'] for h in history):>15.3f} | "
+                        f"{history[-1][p + 'param_memory_mb']:>10.3f}" if metered else ""))
     lines.append(f"step {mean('pipeline/step_ms'):.2f} ms, {mean('pipeline/samples_per_sec'):.1f} samples/s, "
                  f"bubble {mean('pipeline/bubble_fraction'):.3f} measured vs "
                  f"{mean('pipeline/predicted_bubble_fraction'):.3f} predicted")

@@ -132,8 +132,9 @@ def stuck_at_step(model: str, rank_to_hang: int, step: int, **strategy: Any) -> 
 
 
 def monitored(model: str, schedule: str, microbatches: int, log_dir: str | None, max_steps: int = 3,
-              timeline_every_n_steps: int = 2) -> dict[str, Any]:
-    """Train with a PipelineMonitor measuring every step; return its history (rank 0) and where logs went."""
+              timeline_every_n_steps: int = 2, **strategy: Any) -> dict[str, Any]:
+    """Train with a PipelineMonitor measuring every step; return its history (rank 0) and the bytes of each parameter
+    this rank's module holds after training, by name (a tied weight once)."""
     import lightning as L
     from lightning.pytorch.loggers import TensorBoardLogger
     from models import MODELS, make_data
@@ -145,12 +146,14 @@ def monitored(model: str, schedule: str, microbatches: int, log_dir: str | None,
                               trace_dir=f"{log_dir}/traces" if log_dir else None)
     trainer = L.Trainer(
         accelerator="cpu", devices=WORLD_SIZE, max_steps=max_steps, log_every_n_steps=1,
-        strategy=PipelineParallelStrategy(schedule=schedule, microbatches=microbatches, timeout=60),
+        strategy=PipelineParallelStrategy(schedule=schedule, microbatches=microbatches, timeout=60, **strategy),
         logger=TensorBoardLogger(log_dir, name="tb") if log_dir else False, callbacks=[monitor],
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
-    trainer.fit(MODELS[model](), make_data("mlp", batch_size=8))
-    return {"history": monitor.history}
+    module = MODELS[model]()
+    trainer.fit(module, make_data("tied" if model == "tied" else "mlp", batch_size=8))
+    return {"history": monitor.history,
+            "param_bytes": {name: p.numel() * p.element_size() for name, p in module.named_parameters()}}
 
 
 def lifecycle(timeout: float = 60, **strategy: Any) -> dict[str, Any]:

@@ -1,4 +1,5 @@
-"""PipelineMonitor: measured bubble vs theory on sleep-timed layers, TensorBoard tags and image, trace, table."""
+"""PipelineMonitor: measured bubble vs theory on sleep-timed layers, TensorBoard tags and image, trace, table; memory
+per stage (saved activations and parameters) and the meters behind it."""
 
 from __future__ import annotations
 
@@ -7,10 +8,14 @@ import statistics
 from pathlib import Path
 
 import pytest
+import torch
 from _launch import launch
+from models import MODELS
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+from torch import nn
 
 from lightning_pp import PipelineConfigError, PipelineMonitor
+from lightning_pp._memory import AllocatorPeakMeter, SavedTensorMeter, parameter_storages, stage_parameter_bytes
 
 STAGE_KEYS = ["forward_ms", "backward_ms", "comm_wait_ms", "comm_transfer_ms", "idle_ms", "bubble_fraction"]
 RANK_KEYS = ["bubble_fraction", "grad_sync_ms"]
@@ -128,3 +133,102 @@ def test_monitor_accepts_paths_and_turning_pictures_off(tmp_path: Path) -> None:
     assert PipelineMonitor(trace_dir=str(tmp_path)).trace_dir == tmp_path
     monitor = PipelineMonitor(logging_interval=5, timeline_every_n_steps=0, trace_dir=None)
     assert (monitor.logging_interval, monitor.timeline_every_n_steps, monitor.trace_dir) == (5, 0, None)
+
+
+def test_memory_per_stage_is_logged_tabulated_and_follows_the_schedule(tmp_path: Path) -> None:
+    """The tied LM (4 blocks of Linear + GELU, embedding tied to the head), 2 ranks, 8 micro-batches of one sample:
+    every stage logs its peak of saved activations and its parameters. GPipe keeps all 8 micro-batches' activations
+    on stage 0, 1F1B at most 2; checkpointing every block keeps only the blocks' inputs."""
+    common = {"model": "tied", "microbatches": 8, "max_steps": 2, "timeline_every_n_steps": 0, "log_dir": None}
+    configs: dict[str, dict[str, object]] = {
+        "gpipe": {"schedule": "gpipe", "log_dir": str(tmp_path)},
+        "checkpointed": {"schedule": "gpipe", "activation_checkpointing": True},
+        "1f1b": {"schedule": "1f1b"},  # no logger: the summary table is printed
+        "interleaved": {"schedule": "interleaved_1f1b"},  # 4 stages, 2 per rank
+    }
+    ranks = launch(2, [{"scenario": "monitored", "kwargs": {**common, **config}} for config in configs.values()],
+                   timeout=300)
+    assert not ranks[0].errors and not ranks[1].errors, (ranks[0].errors, ranks[1].errors)
+    block_bytes = [sum(p.numel() * p.element_size() for p in block.parameters())
+                   for block in MODELS["tied"]().blocks]  # type: ignore[union-attr]
+    peaks: dict[str, list[float]] = {}
+    for index, name in enumerate(configs):
+        history = ranks[0].results[index]["history"]
+        stages = 4 if name == "interleaved" else 2
+        assert [h["step"] for h in history] == [0, 1]
+        for h in history:
+            for stage in range(stages):
+                rank = stage % 2
+                outside = sum(b for key, b in ranks[rank].results[index]["param_bytes"].items()
+                              if not key.startswith("blocks."))  # counted on the rank's first stage
+                blocks = range(stage, stage + 1) if stages == 4 else range(2 * stage, 2 * stage + 2)
+                expected = sum(block_bytes[i] for i in blocks) + (outside if stage == rank else 0)
+                assert h[f"pipeline/stage{stage}/param_memory_mb"] * 2**20 == pytest.approx(expected), (name, stage)
+                assert h[f"pipeline/stage{stage}/peak_memory_mb"] > 0, (name, stage)
+        assert history[0]["pipeline/stage0/peak_memory_mb"] == history[1]["pipeline/stage0/peak_memory_mb"]
+        peaks[name] = [history[-1][f"pipeline/stage{s}/peak_memory_mb"] for s in range(stages)]
+        print(f"{name}: peak saved activations per stage {[f'{p * 2**20:.0f} B' for p in peaks[name]]}")
+    assert peaks["gpipe"][0] > 1.5 * peaks["checkpointed"][0]  # each block saves its input instead of 2 tensors
+    assert peaks["1f1b"][0] < 0.5 * peaks["gpipe"][0]  # 2 micro-batches in flight instead of 8
+
+    events = next((tmp_path / "tb").rglob("events.out.tfevents.*"))
+    accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})
+    accumulator.Reload()
+    expected_tags = {f"pipeline/stage{s}/{k}" for s in range(2) for k in ("peak_memory_mb", "param_memory_mb")}
+    assert expected_tags <= set(accumulator.Tags()["scalars"])
+    assert ranks[0].output.count("peak memory MiB | params MiB") == 3  # the runs without a logger
+    assert "peak memory MiB" not in ranks[1].output
+
+
+def test_saved_tensor_meter_counts_each_storage_once_without_parameters_until_freed() -> None:
+    torch.manual_seed(0)
+    linear = nn.Linear(8, 8)
+    x = torch.randn(4, 8, requires_grad=True)
+    nbytes = 4 * 8 * 4  # every activation here is 4 x 8 float32
+    stage = [0]
+    meter = SavedTensorMeter(parameter_storages(linear), stage_of=lambda: stage[0])
+    with meter.measure():
+        h = linear(x)  # saves x and the weight (a view of a parameter: not counted)
+        assert meter.live == nbytes
+        product = (h * h).sum() + (h[:2] * h[2:]).sum()  # h saved 4 times, as itself and as views: once
+        assert meter.live == 2 * nbytes
+        stage[0] = 1
+        out = h.tanh().sum() + (h @ linear.weight.t()).sum()  # tanh saves its output; stage 1 saves h too
+        assert (meter.live, meter.stage_live) == (3 * nbytes, {0: 2 * nbytes, 1: 2 * nbytes})
+    (product + out).backward()  # frees every saved tensor
+    assert (meter.live, meter.peak) == (0, 3 * nbytes)
+    assert meter.stage_live == {0: 0, 1: 0} and meter.stage_peaks == {0: 2 * nbytes, 1: 2 * nbytes}
+
+    reference = torch.autograd.grad(linear(x).tanh().sum(), x)[0]
+    with meter.measure():
+        dropped = linear(x).tanh()  # a graph dropped without backward (tanh saves its output: no cycle may keep it)
+        assert meter.live == 2 * nbytes
+        del dropped
+        assert meter.live == 0
+        gradient = torch.autograd.grad(linear(x).tanh().sum(), x)[0]
+        modified = linear(x).sigmoid()
+        modified.mul_(2)
+    assert torch.equal(gradient, reference) and meter.live == 2 * nbytes  # x and the sigmoid's output
+    with pytest.raises(RuntimeError, match="modified by an inplace operation"):
+        modified.sum().backward()  # autograd's in-place check, which it skips under hooks, still happens
+
+
+def test_stage_parameter_bytes_counts_blocks_per_stage_and_the_rest_once_on_the_first() -> None:
+    embed = nn.Embedding(10, 4)
+    blocks = [nn.Linear(4, 4), nn.Linear(4, 4, bias=False)]
+    head = nn.Linear(4, 10, bias=False)
+    head.weight = embed.weight  # tied
+    module = nn.ModuleDict({"embed": embed, "blocks": nn.ModuleList(blocks), "head": head,
+                            "norm": nn.LayerNorm(4)})
+    assert stage_parameter_bytes(module, {2: [blocks[1]], 0: [blocks[0]]}) == {0: 4 * (20 + 40 + 8), 2: 4 * 16}
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_allocator_peak_meter_measures_above_the_start() -> None:
+    device = torch.device("cuda", torch.cuda.current_device())
+    kept = torch.empty(2**20, device=device)
+    meter = AllocatorPeakMeter(device)
+    with meter.measure():
+        temporary = torch.empty(2**22, dtype=torch.uint8, device=device)
+        del temporary
+    assert meter.peak == 2**22 and kept.numel() == 2**20
