@@ -481,8 +481,9 @@ def free_port() -> int:
 
 
 def launch(kind: str, device: str, runs: list[dict[str, Any]], world: int, timeout: float,
-           tmp: Path) -> list[list[dict[str, Any]]]:
-    """Run ``runs`` in ``world`` fresh worker processes; returns per rank the list of per-run results."""
+           tmp: Path, script: Path | None = None) -> list[list[dict[str, Any]]]:
+    """Run ``runs`` in ``world`` fresh worker processes of ``script`` (this one by default, called with ``--worker
+    kind --spec FILE --out DIR``); returns per rank the list of per-run results."""
     for old in tmp.glob(f"{kind}_rank*.json"):
         old.unlink()
     spec = tmp / f"{kind}_spec.json"
@@ -498,7 +499,8 @@ def launch(kind: str, device: str, runs: list[dict[str, Any]], world: int, timeo
                 env.pop(key)
         log_path = tmp / f"{kind}_rank{rank}.log"
         log = open(log_path, "wb")  # noqa: SIM115 - closed below
-        cmd = [sys.executable, str(Path(__file__).resolve()), "--worker", kind, "--spec", str(spec), "--out", str(tmp)]
+        cmd = [sys.executable, str(script or Path(__file__).resolve()), "--worker", kind, "--spec", str(spec),
+               "--out", str(tmp)]
         procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log, log_path))
     deadline = time.monotonic() + timeout
     timed_out = False

@@ -46,6 +46,38 @@ class MetricRef:
 
 # (name, value, log keyword arguments), ready to send and replay
 LogRecord = tuple[str, "float | MetricRef", dict[str, Any]]
+# a record without its number: (name, the metric's attribute path or None for a plain value, whether a number goes
+# with it, log keyword arguments). From step to step the layout of a step's records rarely changes, only the numbers.
+RecordLayout = tuple[str, "str | None", bool, dict[str, Any]]
+
+
+def split_records(records: list[LogRecord]) -> tuple[list[RecordLayout], list[float]]:
+    """``records`` as their layout and their numbers (what changes from step to step), for sending apart."""
+    layout: list[RecordLayout] = []
+    numbers: list[float] = []
+    for name, value, options in records:
+        if isinstance(value, MetricRef):
+            layout.append((name, value.attribute, value.forward_value is not None, options))
+            if value.forward_value is not None:
+                numbers.append(value.forward_value)
+        else:
+            layout.append((name, None, True, options))
+            numbers.append(value)
+    return layout, numbers
+
+
+def join_records(layout: list[RecordLayout], numbers: list[float]) -> list[LogRecord]:
+    """The records :func:`split_records` took apart."""
+    records: list[LogRecord] = []
+    values = iter(numbers)
+    for name, attribute, has_number, options in layout:
+        number = next(values) if has_number else None
+        if attribute is None:
+            assert number is not None  # a plain value always has its number
+            records.append((name, number, options))
+        else:
+            records.append((name, MetricRef(attribute, number), options))
+    return records
 
 
 class _StateFromLastStage:

@@ -6,16 +6,27 @@ was sent without pickling and without shapes or dtypes fixed in advance, so hidd
 and from batch to batch; the structure itself travels as JSON only when it differs from the channel's last one. The
 receiver does not wait for the header to size its buffers, though: both ends expect a transfer to have the layout of
 the previous transfer on the same channel (source stage, destination stage, micro-batch), and they agree on that
-without talking because both saw that transfer. In the steady state every step looks like the last, the receives of
-the payloads are posted together with the header's, and the tensors land in place. When the layout differs (or nothing
-is expected yet: the first step), the header says so, the expected payloads are filler, and the tensors follow under
-another tag.
+without talking because both saw that transfer. In the steady state every step looks like the last, and a transfer is
+one message, a packet: the header, then the payloads at aligned offsets, which the receiver uses in place (each tensor
+shares the packet's memory). When the layout differs (or nothing is expected yet: the first step), the header says so,
+the rest of the packet is filler, and the tensors follow in a second packet under another tag. One message per
+transfer matters on gloo, where posting a message costs tens of microseconds of the sending and the receiving thread.
 
 Posting receives before the peer sends is what makes transfers cheap: on gloo a send that finds its receive waiting
 leaves at once from the sending thread, while one that does not waits for gloo's background thread, which competes
 with compute for the CPU. So on gloo each stage keeps the receives of its next ``prefetch`` transfers per direction
-posted (:meth:`StageP2P.start_step`). NCCL runs the operations between two ranks in posting order, so a receive
-posted early could hold back a send to the same peer; there each receive is posted when its action runs.
+posted (:meth:`StageP2P.start_step`).
+
+On NCCL, reading a header on the device would block the host until the transfer arrived, so the host could not queue
+work ahead. With ``header_groups`` (gloo groups between the same ranks) the headers travel on the host instead, and are
+received ahead as on gloo; a header arrives as soon as the peer's host has posted its send, long before the data. The
+payloads then go over NCCL into buffers sized by the header, and the payload operations of consecutive transfer actions
+are posted together (``batch_isend_irecv``, :meth:`StageP2P.flush`, which the runtime calls before computing); the
+compute stream, not the host, waits for them. Without ``header_groups``, NCCL uses packets as gloo does, each receive
+posted when its action runs (NCCL runs the operations between two ranks in posting order, so a receive posted early
+could hold back a send to the same peer). On NCCL a send's buffers are dropped as soon as it has completed, checked
+whenever the next send is posted; gloo's operations report completion only once waited for, so there they are dropped
+at the end of the step.
 
 Sends are asynchronous; a receive waits, at most ``timeout`` seconds, and turns any failure into an error that names
 this stage, the action and the peer.
@@ -23,6 +34,7 @@ this stage, the action and the peer.
 
 from __future__ import annotations
 
+import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -55,10 +67,51 @@ _HEADER_LEN = 2 + _MAX_TENSORS * _PER_TENSOR
 _HEADER_TAG, _PAYLOAD_TAG, _RESIZED_TAG, _SPEC_TAG = 1, 2, 3, 4
 _RECEIVES = (ActionType.RECV_F, ActionType.RECV_B)
 
+_HEADER_BYTES = 8 * _HEADER_LEN
+_ALIGN = 16  # payloads start at multiples of this in a packet, so each can be read in its own dtype
+_TENSOR_SPEC: Spec = {"T": 0}  # the structure of a plain tensor
+
 # (dtype, shape) of each tensor of a transfer
 _Layout = list[tuple[torch.dtype, list[int]]]
-# (header buffer, its work, payload buffers as expected, their works)
-_PostedReceive = tuple[torch.Tensor, dist.Work, list[torch.Tensor], list[dist.Work]]
+# (packet buffer, or the header alone on the host; its work; the payload layout the packet has room for)
+_PostedReceive = tuple[torch.Tensor, dist.Work, _Layout]
+
+
+def _offsets(layout: _Layout, start: int) -> tuple[list[int], int]:
+    """Where each tensor of ``layout`` starts in a packet whose payloads start at byte ``start``, and its size."""
+    offsets: list[int] = []
+    end = start
+    for dtype, shape in layout:
+        offsets.append(end)
+        end += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
+    return offsets, end
+
+
+def _pack(header: list[int] | None, payloads: list[torch.Tensor], device: torch.device,
+          size: int = 0) -> torch.Tensor:
+    """One byte buffer (of at least ``size`` bytes) holding ``header`` (if any) and then ``payloads``."""
+    offsets, end = _offsets([(t.dtype, list(t.shape)) for t in payloads], _HEADER_BYTES if header else 0)
+    packet = torch.empty(max(end, size), dtype=torch.uint8, device=device)
+    if header:
+        packet[:_HEADER_BYTES].view(torch.int64).copy_(torch.tensor(header, dtype=torch.int64))
+    for tensor, offset in zip(payloads, offsets, strict=True):
+        flat = tensor.reshape(-1).view(torch.uint8)
+        packet[offset:offset + flat.numel()].copy_(flat)
+    return packet
+
+
+def _unpack(packet: torch.Tensor, layout: _Layout, start: int) -> list[torch.Tensor]:
+    """The tensors of ``layout`` in ``packet`` (sharing its memory, but not views of it: each is a leaf of its own)."""
+    offsets, _ = _offsets(layout, start)
+    storage = packet.untyped_storage()
+    tensors = []
+    for (dtype, shape), offset in zip(layout, offsets, strict=True):
+        strides = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            strides[i] = strides[i + 1] * shape[i + 1]
+        tensors.append(torch.empty(0, dtype=dtype, device=packet.device).set_(storage, offset // dtype.itemsize,
+                                                                              shape, strides))
+    return tensors
 
 
 def _posted(work: dist.Work | None) -> dist.Work:
@@ -74,7 +127,8 @@ class StageP2P:
     What is sent is whatever one block hands the next: a tensor, or tuples / lists / dicts of tensors and plain values
     (see :mod:`lightning_pp._tree`). Each tensor keeps its ``requires_grad`` across the boundary, so the receiver
     back-propagates exactly into what the sender's graph can use. Call :meth:`start_step` with the stage's actions
-    before running them and :meth:`wait_sends` after.
+    before running them, :meth:`flush` before computing with what was received, and :meth:`wait_sends` after the
+    step. ``header_groups`` (gloo groups paired with ``groups``, for NCCL) carry the headers on the host.
     """
 
     def __init__(
@@ -84,6 +138,7 @@ class StageP2P:
         timeout: float,
         groups: Sequence[Any] = (None, None),
         prefetch: int = 2,
+        header_groups: Sequence[Any] | None = None,
     ) -> None:
         self.stage_ranks = list(stage_ranks)
         self.device = device
@@ -94,16 +149,22 @@ class StageP2P:
         # travel both ways between two ranks (interleaved on 2 ranks, the V of zbv): then ``groups`` has four, one
         # per kind and direction (activations up, down, gradients up, down, in rank order)
         self.groups = tuple(groups)
+        self.header_groups = tuple(header_groups) if header_groups is not None else None
         # NCCL's Work.wait does not block the host, so bound its wait by polling; gloo's wait takes a timeout itself
         self._poll = dist.get_backend(groups[0]) != "gloo"
-        self._prefetch = 0 if self._poll else prefetch
+        # headers on the host (gloo) may be received ahead; NCCL receives are posted when their action runs
+        self._prefetch = 0 if self._poll and self.header_groups is None else prefetch
         # (source stage, destination stage, micro-batch) -> layout and structure of the last transfer; both ends agree
         self._expected: dict[tuple[int, int, int], _Layout] = {}
         self._specs: dict[tuple[int, int, int], Spec] = {}
         self._unposted: dict[ActionType, deque[Action]] = {kind: deque() for kind in _RECEIVES}
         self._posted: dict[Action, _PostedReceive] = {}
+        self._posted_count: dict[ActionType, int] = dict.fromkeys(_RECEIVES, 0)
         # (action, works, buffers): works and the buffers they read stay referenced until the send has completed
-        self._pending_sends: list[tuple[Action, list[dist.Work], list[torch.Tensor]]] = []
+        self._pending_sends: deque[tuple[Action, list[dist.Work], list[torch.Tensor]]] = deque()
+        # NCCL: payload operations of consecutive transfer actions, posted together by :meth:`flush`
+        self._batch: list[tuple[Action, dist.P2POp]] = []
+        self._pending_recvs: list[tuple[Action, list[dist.Work]]] = []  # posted payload receives, checked at step end
 
     def start_step(self, actions: Sequence[Action]) -> None:
         """Queue this step's receives in order and post the first ``prefetch`` of each direction."""
@@ -112,8 +173,11 @@ class StageP2P:
             self._post_ahead(kind)
 
     def send(self, obj: Any, action: Action) -> None:
-        """Post ``obj`` to ``action.peer``; what is sent stays referenced until :meth:`wait_sends`."""
-        tensors, spec = flatten(obj)
+        """Post ``obj`` to ``action.peer``; what is sent stays referenced until the send has completed."""
+        if isinstance(obj, torch.Tensor):  # the common case, without walking a structure
+            tensors, spec = [obj], _TENSOR_SPEC
+        else:
+            tensors, spec = flatten(obj)
         for tensor in tensors:
             if tensor.dim() > _MAX_DIMS or tensor.dtype not in _DTYPE_CODE:
                 raise PipelineCommError(
@@ -135,39 +199,65 @@ class StageP2P:
             header += [_DTYPE_CODE[tensor.dtype], int(tensor.requires_grad), len(shape), *shape]
             header += [0] * (_MAX_DIMS - len(shape))
         header += [0] * (_HEADER_LEN - len(header))
-        payloads = [t.detach().contiguous() for t in tensors]
+        payloads = [t.detach() for t in tensors]
         layout = [(t.dtype, list(t.shape)) for t in payloads]
-        expected = self._expected.get(key)
-        messages = [(torch.tensor(header, dtype=torch.int64).to(self.device), _HEADER_TAG)]
+        peer = self.stage_ranks[action.peer]
+        group = self._group_of(action)
+        if self.header_groups is not None:  # NCCL: the header on the host now, the payloads with the next flush
+            messages = [(torch.tensor(header, dtype=torch.int64), _HEADER_TAG)]
+            if spec_bytes:
+                messages.append((torch.frombuffer(bytearray(spec_bytes), dtype=torch.uint8), _SPEC_TAG))
+            self._post_sends(action, messages, self._header_group_of(action))
+            self._batch += [(action, dist.P2POp(dist.isend, t.contiguous(), peer, group)) for t in payloads]
+            return
+        # one packet: the header, then the payloads if they have the layout the receiver expects (it has posted a
+        # receive of that size); else the header alone in a packet of that size, and the tensors after it
+        expected = self._expected.get(key, [])  # what the receiver has posted room for: nothing at first
         if expected == layout:
-            messages += [(t, _PAYLOAD_TAG) for t in payloads]
-        elif expected is not None:  # the receiver has posted payload receives for the old layout: fill them
-            messages += [(torch.zeros(shape, dtype=dtype, device=self.device), _PAYLOAD_TAG)
-                         for dtype, shape in expected]
+            messages = [(_pack(header, payloads, self.device), _PAYLOAD_TAG)]
+        else:
+            messages = [(_pack(header, [], self.device, _offsets(expected, _HEADER_BYTES)[1]), _PAYLOAD_TAG)]
         if spec_bytes:
             messages.append((torch.frombuffer(bytearray(spec_bytes), dtype=torch.uint8).to(self.device), _SPEC_TAG))
         if expected != layout:
-            messages += [(t, _RESIZED_TAG) for t in payloads]
+            if payloads:  # the receiver takes the resized tensors only when there are some
+                messages.append((_pack(None, payloads, self.device), _RESIZED_TAG))
             self._expected[key] = layout
+        self._post_sends(action, messages, group)
+
+    def _post_sends(self, action: Action, messages: list[tuple[torch.Tensor, int]], group: Any) -> None:
+        self._reap_sends()
         peer = self.stage_ranks[action.peer]
         try:
-            works = [_posted(dist.isend(buffer, peer, group=self._group_of(action), tag=tag))
-                     for buffer, tag in messages]
+            works = [_posted(dist.isend(buffer, peer, group=group, tag=tag)) for buffer, tag in messages]
         except RuntimeError as error:
             raise self._error(action, "posting the send", error) from error
         self._pending_sends.append((action, works, [buffer for buffer, _ in messages]))
+
+    def _reap_sends(self) -> None:
+        """Drop the sends that have completed, oldest first, so their buffers are freed during the step."""
+        pending = self._pending_sends
+        while pending and all(work.is_completed() for work in pending[0][1]):
+            action, works, _ = pending.popleft()
+            for work in works:  # completed: returns at once, and raises what the transfer failed with
+                self._wait(work, action, "completing the send")
 
     def recv(self, action: Action) -> tuple[Any, float]:
         """Receive what ``action``'s peer sent; also return when its header arrived (perf_counter).
 
         Floating-point tensors that required gradients on the sender require them here too (when grad mode is on).
+        With ``header_groups`` the tensors are filled once :meth:`flush` has posted their receives.
         """
+        if any(op.op is dist.isend for _, op in self._batch):
+            self.flush()  # before waiting: the peer may need these payloads before it can send this header
         if action not in self._posted:  # not prefetched (NCCL): it is the next receive of its direction
             self._post(self._unposted[action.type].popleft())
-        header, header_work, payloads, payload_works = self._posted.pop(action)
-        self._wait(header_work, action, "waiting for the header")
+        packet, work, expected = self._posted.pop(action)
+        self._posted_count[action.type] -= 1
+        self._wait(work, action, "waiting for the header", poll=self._poll and self.header_groups is None)
         header_arrived = time.perf_counter()
         self._post_ahead(action.type)
+        header = packet if self.header_groups is not None else packet[:_HEADER_BYTES].view(torch.int64)
         values = header.tolist()
         spec_len, count = values[0], values[1]
         layout: _Layout = []
@@ -177,25 +267,65 @@ class StageP2P:
             layout.append((_DTYPES[code], dims[:ndim]))
             requires_grad.append(bool(grad))
         key = (action.peer, action.stage, action.microbatch)
-        for work in payload_works:
-            self._wait(work, action, "receiving the tensor")
         if spec_len:
-            spec_buffer = torch.empty(spec_len, dtype=torch.uint8, device=self.device)
-            self._wait(self._irecv(spec_buffer, action, _SPEC_TAG), action, "receiving the structure")
+            on_host = self.header_groups is not None
+            spec_buffer = torch.empty(spec_len, dtype=torch.uint8, device="cpu" if on_host else self.device)
+            self._wait(self._irecv(spec_buffer, action, _SPEC_TAG, self._header_group_of(action) if on_host else None),
+                       action, "receiving the structure", poll=self._poll and not on_host)
             self._specs[key] = decode_spec(spec_buffer.cpu().numpy().tobytes())
-        if self._expected.get(key) != layout:
+        if self.header_groups is not None:
             payloads = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in layout]
-            for payload in payloads:
-                self._wait(self._irecv(payload, action, _RESIZED_TAG), action, "receiving the resized tensor")
+            peer, group = self.stage_ranks[action.peer], self._group_of(action)
+            self._batch += [(action, dist.P2POp(dist.irecv, p, peer, group)) for p in payloads]
+        elif expected == layout:
+            payloads = _unpack(packet, layout, _HEADER_BYTES)
+        else:
+            resized = torch.empty(_offsets(layout, 0)[1], dtype=torch.uint8, device=self.device)
+            if layout:
+                self._wait(self._irecv(resized, action, _RESIZED_TAG), action, "receiving the resized tensor")
+            payloads = _unpack(resized, layout, 0)
             self._expected[key] = layout
         if torch.is_grad_enabled():
             for payload, grad in zip(payloads, requires_grad, strict=True):
                 if grad and payload.is_floating_point():
                     payload.requires_grad_()
-        return unflatten(self._specs[key], payloads), header_arrived
+        spec = self._specs[key]
+        return payloads[0] if spec == _TENSOR_SPEC else unflatten(spec, payloads), header_arrived
+
+    def flush(self) -> None:
+        """Post the payloads of the transfers since the last flush together (NCCL, ``header_groups``): one
+        ``batch_isend_irecv`` per process group. The current stream then waits for batches holding receives; the
+        host does not wait."""
+        if not self._batch:
+            return
+        by_group: dict[int, list[tuple[Action, dist.P2POp]]] = {}
+        for entry in self._batch:
+            by_group.setdefault(id(entry[1].group), []).append(entry)
+        self._batch = []
+        for entries in by_group.values():
+            action = entries[0][0]
+            try:
+                works = [_posted(work) for work in dist.batch_isend_irecv([op for _, op in entries])]
+            except RuntimeError as error:
+                raise self._error(action, "posting the transfers", error) from error
+            receives = [a for a, op in entries if op.op is dist.irecv]
+            if receives and self._poll:
+                for work in works:
+                    work.wait()  # NCCL: the current stream waits for the batch, the host does not
+                self._pending_recvs.append((receives[0], works))  # the host checks them at the step's end
+            elif receives:  # gloo (tests): a second wait of a receive would wait for another message
+                for work in works:
+                    self._wait(work, receives[0], "receiving the tensor")
+            else:
+                self._pending_sends.append((action, works, [op.tensor for _, op in entries]))
 
     def wait_sends(self) -> None:
-        """Wait until every posted send has left; called once per step so send buffers can be freed."""
+        """Wait until every posted transfer has completed; called once per step so send buffers can be freed."""
+        self.flush()
+        for action, works in self._pending_recvs:
+            for work in works:
+                self._wait(work, action, "receiving the tensor")
+        self._pending_recvs.clear()
         for action, works, _ in self._pending_sends:
             for work in works:
                 self._wait(work, action, "completing the send")
@@ -204,34 +334,47 @@ class StageP2P:
     def _post_ahead(self, kind: ActionType) -> None:
         """Keep the receives of the next ``prefetch`` transfers of ``kind`` posted (in the order the peer sends)."""
         queue = self._unposted[kind]
-        while queue and sum(a.type is kind for a in self._posted) < self._prefetch:
+        while queue and self._posted_count[kind] < self._prefetch:
             self._post(queue.popleft())
 
     def _post(self, action: Action) -> None:
-        header = torch.empty(_HEADER_LEN, dtype=torch.int64, device=self.device)
-        header_work = self._irecv(header, action, _HEADER_TAG)
-        expected = self._expected.get((action.peer, action.stage, action.microbatch), [])
-        payloads = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in expected]
-        works = [self._irecv(payload, action, _PAYLOAD_TAG) for payload in payloads]
-        self._posted[action] = (header, header_work, payloads, works)
+        """Post the receive of ``action``'s header: with ``header_groups`` alone, on the host; else as a packet of
+        the header and the payloads in the layout the channel's previous transfer had."""
+        if self.header_groups is not None:
+            header = torch.empty(_HEADER_LEN, dtype=torch.int64)
+            work = self._irecv(header, action, _HEADER_TAG, self._header_group_of(action))
+            self._posted[action] = (header, work, [])
+        else:
+            expected = self._expected.get((action.peer, action.stage, action.microbatch), [])
+            packet = torch.empty(_offsets(expected, _HEADER_BYTES)[1], dtype=torch.uint8, device=self.device)
+            self._posted[action] = (packet, self._irecv(packet, action, _PAYLOAD_TAG), expected)
+        self._posted_count[action.type] += 1
 
     def _group_of(self, action: Action) -> Any:
+        return self._pick(self.groups, action)
+
+    def _header_group_of(self, action: Action) -> Any:
+        assert self.header_groups is not None
+        return self._pick(self.header_groups, action)
+
+    def _pick(self, groups: tuple[Any, ...], action: Action) -> Any:
         kind = 0 if action.type in (ActionType.SEND_F, ActionType.RECV_F) else 1
-        if len(self.groups) == 2:
-            return self.groups[kind]
+        if len(groups) == 2:
+            return groups[kind]
         here, there = self.stage_ranks[action.stage], self.stage_ranks[action.peer]
         upward = there > here if action.is_send else here > there
-        return self.groups[2 * kind + int(upward)]
+        return groups[2 * kind + int(upward)]
 
-    def _irecv(self, buffer: torch.Tensor, action: Action, tag: int) -> dist.Work:
+    def _irecv(self, buffer: torch.Tensor, action: Action, tag: int, group: Any = None) -> dist.Work:
         try:
-            return _posted(dist.irecv(buffer, self.stage_ranks[action.peer], group=self._group_of(action), tag=tag))
+            return _posted(dist.irecv(buffer, self.stage_ranks[action.peer],
+                                      group=group if group is not None else self._group_of(action), tag=tag))
         except RuntimeError as error:
             raise self._error(action, "posting the receive", error) from error
 
-    def _wait(self, work: dist.Work, action: Action, what: str) -> None:
+    def _wait(self, work: dist.Work, action: Action, what: str, poll: bool | None = None) -> None:
         try:
-            if self._poll:
+            if self._poll if poll is None else poll:
                 deadline = time.monotonic() + self.timeout
                 while not work.is_completed():
                     if time.monotonic() > deadline:

@@ -22,6 +22,9 @@ __all__ = ["EventClock", "ForwardFn", "HostClock", "run_stage", "step_clock"]
 ForwardFn = Callable[[int, int, Any], Any]
 
 
+_COMPUTE = frozenset({ActionType.FORWARD, ActionType.BACKWARD, ActionType.BACKWARD_INPUT, ActionType.BACKWARD_WEIGHT})
+
+
 def _needing_grad(obj: Any) -> list[torch.Tensor]:
     """The tensors of a sent or received structure that gradients flow through, in transfer order."""
     return [t for t in flatten(obj)[0] if t.requires_grad]
@@ -133,6 +136,8 @@ def run_stage(
         start = timer.now() if timer is not None else None
         header_arrived = None
         kind = action.type
+        if p2p is not None and kind in _COMPUTE:
+            p2p.flush()  # batched transfers (NCCL) are posted before what may use them
         if kind is ActionType.FORWARD:
             if stage - 1 in local:  # the previous stage ran on this rank: hand its output over
                 previous = outputs[(stage - 1, mb)] if training else outputs.pop((stage - 1, mb))

@@ -507,7 +507,13 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._log_recorder.attach(module, pipeline_groups)
         if self.num_stages > 1:
             stage_ranks = [groups.pipeline_ranks[rank] for rank in schedule.stage_to_rank]
-            self._p2p = StageP2P(stage_ranks, self.root_device, self.timeout, groups.p2p)
+            header_groups = None
+            if self._process_group_backend == "nccl":  # the transfers' headers travel on the host (see StageP2P)
+                on_host = create_groups(self.layout, self.global_rank, lambda ranks: dist.new_group(
+                    ranks, backend="gloo", timeout=self.process_group_timeout), p2p_groups=len(groups.p2p))
+                groups.created.extend(on_host.created)
+                header_groups = on_host.p2p
+            self._p2p = StageP2P(stage_ranks, self.root_device, self.timeout, groups.p2p, header_groups=header_groups)
         self._driver = StepDriver(module, partition.view, self._p2p, self._log_recorder, self.root_device,
                                   self._schedule, self.microbatches, self._microbatch_weight, pipeline_groups,
                                   position=self.stage, shared=shared)

@@ -169,8 +169,10 @@ def with_callbacks(dirpath: str, timeout: float = 60, **strategy: Any) -> dict[s
     return models.with_callbacks(dirpath, PipelineParallelStrategy(timeout=timeout, **strategy), devices=WORLD_SIZE)
 
 
-def p2p_exchange(steps: list[list[tuple[str, list[int]]]], prefetch: int = 2) -> list[list[Any]]:
-    """Stage 0 sends each step's tensors (dtype, shape) forward, stage 1 sends them back; return what arrived."""
+def p2p_exchange(steps: list[list[tuple[str, list[int]]]], prefetch: int = 2,
+                 header_groups: bool = False) -> list[list[Any]]:
+    """Stage 0 sends each step's tensors (dtype, shape) forward, stage 1 sends them back; return what arrived.
+    ``header_groups``: headers in groups of their own and batched payloads, NCCL's way (on gloo here)."""
     import torch
     import torch.distributed as dist
 
@@ -179,7 +181,8 @@ def p2p_exchange(steps: list[list[tuple[str, list[int]]]], prefetch: int = 2) ->
 
     stage = int(os.environ["LOCAL_RANK"])
     dist.init_process_group("gloo", rank=stage, world_size=WORLD_SIZE)
-    p2p = StageP2P([0, 1], torch.device("cpu"), timeout=30, prefetch=prefetch)
+    headers = [dist.new_group([0, 1], backend="gloo") for _ in range(2)] if header_groups else None
+    p2p = StageP2P([0, 1], torch.device("cpu"), timeout=30, prefetch=prefetch, header_groups=headers)
     received = []
     try:
         for step, tensors in enumerate(steps):
@@ -197,7 +200,9 @@ def p2p_exchange(steps: list[list[tuple[str, list[int]]]], prefetch: int = 2) ->
                 if action.is_send:
                     p2p.send(made[action.microbatch], action)
                 else:
-                    arrived.append(p2p.recv(action)[0].clone())
+                    tensor = p2p.recv(action)[0]
+                    p2p.flush()  # as the runtime does before computing with it
+                    arrived.append(tensor.clone())
             p2p.wait_sends()
             received.append(arrived)
     finally:

@@ -130,3 +130,15 @@ def test_registry_alias() -> None:
 
     trainer = L.Trainer(strategy="pipeline", accelerator="cpu", devices=1, logger=False)
     assert isinstance(trainer.strategy, PipelineParallelStrategy)
+
+
+def test_log_records_split_into_layout_and_numbers_and_back() -> None:
+    """The result exchange sends a step's log records as numbers and, only when it changed, their layout."""
+    from lightning_pp._logs import LogRecord, MetricRef, join_records, split_records
+
+    records: list[LogRecord] = [("loss", 0.25, {"prog_bar": True}), ("acc", MetricRef("model.acc", 0.5), {}),
+               ("auroc", MetricRef("model.auroc", None), {"on_epoch": True}), ("n", 3.0, {"reduce_fx": "sum"})]
+    layout, numbers = split_records(records)
+    assert numbers == [0.25, 0.5, 3.0]
+    assert join_records(layout, numbers) == records
+    assert split_records([("loss", 0.75, {"prog_bar": True})])[0] == layout[:1]  # new numbers, the same layout

@@ -15,9 +15,13 @@ STEPS = [
 ]
 
 
-@pytest.mark.parametrize("prefetch", [0, 2])
-def test_changing_shapes_and_dtypes_arrive_intact(prefetch: int) -> None:
-    ranks = launch(2, [{"scenario": "p2p_exchange", "kwargs": {"steps": STEPS, "prefetch": prefetch}}], timeout=120)
+@pytest.mark.parametrize(("prefetch", "header_groups"), [(0, False), (2, False), (2, True)])
+def test_changing_shapes_and_dtypes_arrive_intact(prefetch: int, header_groups: bool) -> None:
+    """Packets with the expected layout, resized tensors after a changed header; and (``header_groups``) NCCL's
+    protocol: headers on the host in groups of their own, payloads posted in batches."""
+    ranks = launch(2, [{"scenario": "p2p_exchange",
+                        "kwargs": {"steps": STEPS, "prefetch": prefetch, "header_groups": header_groups}}],
+                   timeout=120)
     for rank in ranks:
         assert not rank.errors, rank.errors
         for step, (tensors, arrived) in enumerate(zip(STEPS, rank.results[0], strict=True)):
