@@ -461,7 +461,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         if self._checkpoint_every:
             partition.view.checkpoint_blocks(self._checkpoint_every)
         placement = _PLACEMENTS.get(module)
-        if placement is not None and placement.users:  # an earlier run left some weights on some ranks only
+        if placement is not None:  # an earlier run may have left some weights on some ranks only
             placement.restore(lambda tensors, position: broadcast_tensors(
                 tensors, self.layout.rank(position, 0), None, self.root_device))
         assert self.model is not None
@@ -926,6 +926,8 @@ class PipelineParallelStrategy(ParallelStrategy):
         if self._groups is not None and dist.is_initialized():  # the default group is Lightning's to destroy
             for group in self._groups.created:
                 dist.destroy_process_group(group)
+        if self._placement is not None:
+            self._placement.cancel()
         self._groups = None
         self._p2p = None
         if self._failures is not None:

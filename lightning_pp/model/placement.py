@@ -134,7 +134,7 @@ class Observation:
             self.active[id(m)] = self.active.get(id(m), 0) + 1
             if id(m) not in self.called:
                 self.called.add(id(m))
-                self.meta_inputs[id(m)] = _compat.tree_map_tensors((args, kwargs), lambda t: t.to("meta"))
+                self.meta_inputs[id(m)] = _compat.tree_map_tensors((args, kwargs), lambda t: t.detach().to("meta"))
             return None
 
         def after(m: nn.Module, args: Any, output: Any) -> None:
@@ -161,6 +161,7 @@ class _Unused(nn.Module):
             if not key.startswith("_") and key != "training":
                 self.__dict__[key] = value
         self.training = original.training
+        self.__dict__["_device"] = next(original.parameters()).device  # where its outputs would have been
         self.__dict__["_unused"] = (path, twin, dtypes, position, tuple(holders), type(original).__name__,
                                     {name for name, _ in original.named_parameters()})
 
@@ -173,7 +174,7 @@ class _Unused(nn.Module):
                 f"PipelineParallelStrategy(outside_weights=\"everywhere\") to keep every weight outside the blocks on "
                 f"every rank."
             )
-        device = next((t.device for t in _compat.tree_tensors((args, kwargs))), torch.device("cpu"))
+        device = self.__dict__["_device"]
         twin.train(self.training)
         with torch.no_grad():
             output = twin(*_compat.tree_map_tensors(args, lambda t: t.to("meta")),
@@ -265,6 +266,12 @@ class WeightPlacement:
     def wants_observation(self) -> bool:
         """Whether the next training step must be observed: weights not yet placed are (now) trainable."""
         return self.observation is None and any(p.requires_grad for p in self._undecided)
+
+    def cancel(self) -> None:
+        """Stop an observation that will not be decided (the run ended before its optimizer step)."""
+        if self.observation is not None:
+            self.observation.stop()
+            self.observation = None
 
     def observe(self) -> None:
         """Start observing: hooks on the modules holding undecided weights; :meth:`reads` is entered per pass."""
@@ -407,6 +414,7 @@ class WeightPlacement:
         Stand-ins give their place back to the original modules, and each weight held by some ranks only is
         re-allocated and filled from the first position holding it.
         """
+        self.cancel()
         for holder, _ in self._replaced:
             for parent, name in holder.places:
                 setattr(parent, name, holder.module)
