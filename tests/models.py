@@ -312,6 +312,15 @@ class FrozenFront(MLPClassifier):
             module.requires_grad_(False)
 
 
+class UnfreezesFront(FrozenFront):
+    """``BackboneFinetuning``'s pattern by hand: the input projection (outside the blocks) is frozen for the first two
+    optimizer steps, then trained (its optimizer held it all along)."""
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        if self.global_step == 2:
+            self.inp.requires_grad_(True)
+
+
 class ParameterlessStage(L.LightningModule):
     """Everything in the sequential; with 2 stages its second half has no weights to optimize."""
 
@@ -359,6 +368,7 @@ MODELS: dict[str, Callable[[], L.LightningModule]] = {
     "lifecycle": Lifecycle, "everyday": Everyday, "synced_metrics": SyncedMetrics, "bn_head": BatchNormHead,
     "parameterless_stage": ParameterlessStage,
     "frozen_front": FrozenFront,
+    "unfreezes_front": UnfreezesFront,
     "gpt": lambda: _example_gpt().GPT(vocab_size=len(set(_example_gpt().make_corpus(4000)))),
 }
 

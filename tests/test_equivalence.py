@@ -158,21 +158,25 @@ def test_every_schedule_matches_single_device(world_size: int) -> None:
 
 
 def test_balance_accumulation_uneven_batches_and_frozen_layers() -> None:
-    """A custom balance, accumulate_grad_batches=2, a batch of 7 split into 2 micro-batches of 4 and 3, and a first
-    stage whose weights are all frozen."""
+    """A custom balance, accumulate_grad_batches=2, a batch of 7 split into 2 micro-batches of 4 and 3, a first
+    stage whose weights are all frozen, and an input projection unfrozen after two steps (placed then: it leaves the
+    last stage, which computed it only to have it replaced by the received activation)."""
     runs = [
         pipelined("mlp", schedule="1f1b", microbatches=2, balance=[2, 6]),
         pipelined("mlp", schedule="gpipe", microbatches=2, trainer={"accumulate_grad_batches": 2}),
         pipelined("mlp", schedule="1f1b", microbatches=2, batch_size=7),
         pipelined("frozen_front", schedule="1f1b", microbatches=2),
+        pipelined("unfreezes_front", schedule="1f1b", microbatches=2),
     ]
     ranks = launch(2, runs, timeout=300)
     expected = [reference("mlp"), reference("mlp", accumulate_grad_batches=2), reference("mlp", batch_size=7),
-                reference("frozen_front")]
+                reference("frozen_front"), reference("unfreezes_front")]
     for index, run in enumerate(runs):
         assert_trains_like(ranks, index, run, expected[index], str(run["kwargs"]))
     assert sorted(k for k in ranks[0].results[0]["state"] if k.startswith("layers.")) == [
         "layers.0.bias", "layers.0.weight"]
+    assert "inp.weight" in ranks[0].results[4]["state"] and "inp.weight" not in ranks[1].results[4]["state"]
+    assert "inp.weight" in ranks[1].results[3]["state"]  # frozen throughout: never placed, held by both stages
 
 
 def test_gradient_clipping_by_global_norm_and_value() -> None:
