@@ -133,6 +133,11 @@ def fresh_persistent_workers(loaders: list[Any]) -> Iterator[None]:
                 loader._iterator = None
 
 
+def tensor_version(tensor: torch.Tensor) -> int:
+    """The tensor's in-place modification counter (what autograd checks before using a saved tensor)."""
+    return tensor._version
+
+
 def child_names(container: torch.nn.Module) -> list[str]:
     """Every entry of a block container in order, also a block listed twice (``named_children`` skips repeats)."""
     return list(container._modules)
@@ -155,6 +160,7 @@ __all__ = [
     "replace_metric_sync",
     "split_backward_applies",
     "sync_metric_states",
+    "tensor_version",
     "train_data_source",
     "tree_map_tensors",
     "tree_tensors",

@@ -35,7 +35,6 @@ _REDUCTIONS = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min":
                torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}  # fmt: skip
 
 
-
 @dataclass(frozen=True)
 class MetricRef:
     """A logged ``Metric``: its attribute path in the module and the batch value of its forward (if it ran)."""

@@ -8,6 +8,8 @@ from contextlib import contextmanager
 import torch
 from torch import nn
 
+from lightning_pp import _compat
+
 __all__ = [
     "AllocatorPeakMeter",
     "SavedTensorMeter",
@@ -33,7 +35,7 @@ class _Saved:
     def __init__(self, meter: SavedTensorMeter, tensor: torch.Tensor, keys: tuple[int, int | None] | None) -> None:
         self.meter = meter
         self.tensor = tensor.detach()
-        self.version = tensor._version
+        self.version = _compat.tensor_version(tensor)
         self.keys = keys  # (storage pointer, stage) of a counted storage; None: not counted
 
     def __del__(self) -> None:
@@ -94,11 +96,12 @@ class SavedTensorMeter:
 
     @staticmethod
     def _unpack(saved: _Saved) -> torch.Tensor:
-        if saved.tensor._version != saved.version:
+        if _compat.tensor_version(saved.tensor) != saved.version:
             raise RuntimeError(
                 f"One of the variables needed for gradient computation has been modified by an inplace operation: a "
                 f"tensor of shape {list(saved.tensor.shape)} was saved at version {saved.version} and is now at "
-                f"version {saved.tensor._version} (checked by lightning_pp's saved-tensor meter, as autograd does)."
+                f"version {_compat.tensor_version(saved.tensor)} (checked by lightning_pp's saved-tensor meter, as "
+                f"autograd does)."
             )
         return saved.tensor
 

@@ -235,12 +235,16 @@ class StageP2P:
         self._pending_sends.append((action, works, [buffer for buffer, _ in messages]))
 
     def _reap_sends(self) -> None:
-        """Drop the sends that have completed, oldest first, so their buffers are freed during the step."""
-        pending = self._pending_sends
-        while pending and all(work.is_completed() for work in pending[0][1]):
-            action, works, _ = pending.popleft()
-            for work in works:  # completed: returns at once, and raises what the transfer failed with
-                self._wait(work, action, "completing the send")
+        """Drop the sends that have completed, so their buffers are freed during the step. Any that has, not only the
+        oldest: on NCCL the headers' gloo sends report completion only once waited for, at the step's end."""
+        still: deque[tuple[Action, list[dist.Work], list[torch.Tensor]]] = deque()
+        for action, works, buffers in self._pending_sends:
+            if all(work.is_completed() for work in works):
+                for work in works:  # completed: returns at once, and raises what the transfer failed with
+                    self._wait(work, action, "completing the send")
+            else:
+                still.append((action, works, buffers))
+        self._pending_sends = still
 
     def recv(self, action: Action) -> tuple[Any, float]:
         """Receive what ``action``'s peer sent; also return when its header arrived (perf_counter).

@@ -456,6 +456,7 @@ class PipelineParallelStrategy(ParallelStrategy):
                 f"automatic optimization, where Lightning calls the optimizers after the pipelined step."
             )
         schedule = self._schedule(self.microbatches, forward_only=False)  # raises for a count it cannot run
+        fresh = not is_split(module)  # a later run on the same module keeps what the earlier one trained
         partition = self._partition = split_module(module, self._blocks_name, self._balance_for(trainer, module),
                                                    schedule.stages_of(self.stage), schedule.num_stages)
         if self._checkpoint_every:
@@ -473,10 +474,11 @@ class PipelineParallelStrategy(ParallelStrategy):
         if self.is_global_zero and self.num_replicas > 1:
             print(f"lightning_pp: {self.layout}")
         shared, shared_buffers = partition.shared_tensors(module)
-        if self._world > 1:
-            # as DDP starts: rank 0's weights outside the blocks everywhere, and replica 0's blocks in every replica
+        if self._world > 1 and fresh:
+            # as DDP starts: rank 0's weights outside the blocks everywhere (later runs: the placement's restore above
+            # brought each back from a rank that held it; a head's buffers stay current where it ran)
             broadcast_tensors([*shared, *shared_buffers], 0, None, self.root_device)
-        if self.num_replicas > 1:
+        if self.num_replicas > 1:  # and replica 0's blocks in every replica
             everywhere = {id(t) for t in (*shared, *shared_buffers)}
             own = [t for t in (*module.parameters(), *module.buffers()) if id(t) not in everywhere]
             broadcast_tensors(own, self.layout.rank(self.stage, 0), groups.replicas, self.root_device)
@@ -509,6 +511,8 @@ class PipelineParallelStrategy(ParallelStrategy):
             stage_ranks = [groups.pipeline_ranks[rank] for rank in schedule.stage_to_rank]
             header_groups = None
             if self._process_group_backend == "nccl":  # the transfers' headers travel on the host (see StageP2P)
+                for group in groups.p2p:  # batch_isend_irecv needs a group's first call to involve all its ranks
+                    dist.all_reduce(torch.zeros(1, device=self.root_device), group=group)
                 on_host = create_groups(self.layout, self.global_rank, lambda ranks: dist.new_group(
                     ranks, backend="gloo", timeout=self.process_group_timeout), p2p_groups=len(groups.p2p))
                 groups.created.extend(on_host.created)

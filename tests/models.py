@@ -302,6 +302,15 @@ class BatchNormHead(MLPClassifier):
         return self.head(self.norm(self.layers(torch.relu(self.inp(x)))))
 
 
+class BatchNormHeadValidated(BatchNormHead):
+    """`BatchNormHead` with a validation step: evaluation after fit must use the running statistics the last stage
+    kept current (validate's set-up must not replace them with another stage's)."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y))
+
+
 class FrozenFront(MLPClassifier):
     """Fine-tuning: the input projection and the first half of the sequential are frozen, so with 2 stages the first
     stage has nothing to back-propagate."""
@@ -366,6 +375,7 @@ MODELS: dict[str, Callable[[], L.LightningModule]] = {
     "fails_on_rank_zero": FailsOnRankZero,
     "inf_on_one_stage": InfOnOneStage,
     "lifecycle": Lifecycle, "everyday": Everyday, "synced_metrics": SyncedMetrics, "bn_head": BatchNormHead,
+    "bn_head_validated": BatchNormHeadValidated,
     "parameterless_stage": ParameterlessStage,
     "frozen_front": FrozenFront,
     "unfreezes_front": UnfreezesFront,

@@ -75,6 +75,14 @@ def _train(strategy: Any, model: str, max_steps: int, batch_size: int, trainer: 
             "layout": {name: getattr(used, name, None) for name in ("stage", "replica", "num_stages", "num_replicas")}}
 
 
+def fit_then_validate(model: str, timeout: float = 60, **strategy: Any) -> dict[str, Any]:
+    """Fit, then ``trainer.validate`` the same module (a later run on it); return what validate returned."""
+    from models import fit, make_data
+
+    module, _ = fit(model, PipelineParallelStrategy(timeout=timeout, **strategy), devices=DEVICES)
+    return {"validate": module.trainer.validate(module, make_data(model, seed=99), verbose=False)}
+
+
 def expect_error(model: str, trainer: dict[str, Any] | None = None, **strategy: Any) -> dict[str, Any]:
     """Run a configuration that must fail; return the error instead of dying, so one job checks several. Also
     whether a default process group exists after it (none does when the error came before any collective and no

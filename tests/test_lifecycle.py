@@ -80,12 +80,21 @@ def test_module_written_without_pipelines_in_mind_matches_single_device(world_si
 
 
 def test_buffers_outside_the_sequential_are_saved_from_the_stage_that_updates_them(tmp_path: Path) -> None:
-    """A BatchNorm head runs only on the last stage; the full checkpoint must hold its running statistics."""
+    """A BatchNorm head runs only on the last stage; the full checkpoint must hold its running statistics, and a
+    validate after fit must evaluate with them (its set-up must not overwrite them with the first stage's)."""
     module, _ = models.fit("bn_head", max_steps=4)
+    validated, _ = models.fit("bn_head_validated", max_steps=4)
+    want = validated.trainer.validate(validated, models.make_data("bn_head_validated", seed=99), verbose=False)
     path = str(tmp_path / "bn.ckpt")
     ranks = launch(2, [{"scenario": "train", "kwargs": {"model": "bn_head", "max_steps": 4, "schedule": "1f1b",
-                                                         "microbatches": 1, "save_to": path}}], timeout=200)
+                                                         "microbatches": 1, "save_to": path}},
+                       *[{"scenario": "fit_then_validate", "kwargs": {"model": "bn_head_validated", "microbatches": 1,
+                                                                      "outside_weights": where}}
+                         for where in ("where_used", "everywhere")]], timeout=200)
     assert not any(rank.errors for rank in ranks), [rank.errors for rank in ranks]
+    for rank in ranks:
+        for index in (1, 2):
+            assert rank.results[index]["validate"][0]["val_loss"] == pytest.approx(want[0]["val_loss"], abs=1e-6)
     saved = torch.load(path, weights_only=True)["state_dict"]
     assert int(saved["norm.num_batches_tracked"]) == 4
     for name, value in module.state_dict().items():

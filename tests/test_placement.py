@@ -63,6 +63,7 @@ def test_a_module_whose_output_is_replaced_becomes_a_shape_only_stand_in() -> No
     leaves, and its module returns NaN of the right shape and dtype; the position table, never called, raises."""
     toy = Toy()
     emb_weight, pos_weight = toy.emb.weight, toy.pos.weight
+    toy.pos.forward = toy.pos.forward  # type: ignore[method-assign]  # set on the instance (as hook libraries do): must not bypass the stand-in
     optimizer = torch.optim.AdamW(toy.parameters())
     received = torch.randn(2, 5, 4)
 
@@ -76,8 +77,7 @@ def test_a_module_whose_output_is_replaced_becomes_a_shape_only_stand_in() -> No
     out = toy.emb(torch.tensor([[1, 2, 3]]))
     assert out.shape == (1, 3, 4) and out.dtype == torch.float32 and out.isnan().all() and not out.requires_grad
     assert toy.emb.padding_idx == 0  # plain attributes stay readable
-    with pytest.raises(PipelineConfigError, match="outside_weights"):
-        _ = toy.emb.weight
+    assert toy.emb.weight.shape == (10, 4) and toy.emb.weight.device.type == "meta"  # metadata reads work
     with pytest.raises(PipelineConfigError, match="did not call it"):
         toy.pos(torch.tensor([0]))
     assert emb_weight.numel() == 0 and emb_weight.grad is None  # the memory is gone

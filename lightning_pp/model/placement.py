@@ -152,21 +152,27 @@ class Observation:
 
 
 class _Unused(nn.Module):
-    """Takes the place of a module outside the blocks whose weights this rank does not hold (see the module doc)."""
+    """Takes the place of a module outside the blocks whose weights this rank does not hold (see the module doc).
+
+    Its plain attributes stay readable (an embedding's ``padding_idx``), and so do its weights' shape and dtype: they
+    read as unregistered meta-device tensors, so ``x.to(self.wte.weight.dtype)`` works and computing with them fails.
+    """
 
     def __init__(self, path: str, original: nn.Module, twin: nn.Module | None, dtypes: list[torch.dtype] | None,
                  position: int, holders: Sequence[int]) -> None:
         super().__init__()
-        for key, value in vars(original).items():  # e.g. an embedding's `padding_idx`, read by the model's code
-            if not key.startswith("_") and key != "training":
+        for key, value in vars(original).items():
+            # plain values only: a forward set on the instance (a hook library's) must not bypass this stand-in
+            if not key.startswith("_") and key != "training" and not callable(value):
                 self.__dict__[key] = value
+        for name, p in original.named_parameters(recurse=False):
+            self.__dict__[name] = torch.empty_like(p, device="meta").requires_grad_(p.requires_grad)
         self.training = original.training
         self.__dict__["_device"] = next(original.parameters()).device  # where its outputs would have been
-        self.__dict__["_unused"] = (path, twin, dtypes, position, tuple(holders), type(original).__name__,
-                                    {name for name, _ in original.named_parameters()})
+        self.__dict__["_unused"] = (path, twin, dtypes, position, tuple(holders), type(original).__name__)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        path, twin, dtypes, position, holders, kind, _ = self.__dict__["_unused"]
+        path, twin, dtypes, position, holders, kind = self.__dict__["_unused"]
         if twin is None:
             raise PipelineConfigError(
                 f"`{path}` ({kind}) was called on pipeline rank {position}, where the first training step did not "
@@ -186,23 +192,8 @@ class _Unused(nn.Module):
                        for t, dtype in zip(shapes, dtypes, strict=True)])
         return _compat.tree_map_tensors(output, lambda _: next(filled))
 
-    def __getattr__(self, name: str) -> Any:
-        try:
-            return super().__getattr__(name)
-        except AttributeError:
-            if "_unused" not in self.__dict__:  # half-built (copy, unpickling)
-                raise
-            path, _, _, position, holders, _, weights = self.__dict__["_unused"]
-            if name in weights:
-                raise PipelineConfigError(
-                    f"`{path}.{name}` is held only by pipeline rank(s) {list(holders)}, which used it in the first "
-                    f"training step; rank {position} did not. Pass PipelineParallelStrategy(outside_weights="
-                    f"\"everywhere\") to keep every weight outside the blocks on every rank."
-                ) from None
-            raise
-
     def extra_repr(self) -> str:
-        _, twin, _, _, holders, kind, _ = self.__dict__["_unused"]
+        _, twin, _, _, holders, kind = self.__dict__["_unused"]
         return f"{kind} held by pipeline rank(s) {list(holders)}" + (", shape-only stand-in" if twin else "")
 
 
@@ -214,12 +205,6 @@ def _meta_twin(module: nn.Module) -> nn.Module:
     for b in module.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
     return copy.deepcopy(module, memo)
-
-
-@dataclass
-class _Released:
-    weight: nn.Parameter
-    shape: torch.Size
 
 
 class WeightPlacement:
@@ -238,7 +223,7 @@ class WeightPlacement:
         self.names = {id(p): n for n, p in module.named_parameters()}
         self._holders = self._find_holders(module)
         self._undecided = list(weights)  # observed on the next training step where trainable
-        self._released: list[_Released] = []
+        self._released: dict[int, tuple[nn.Parameter, torch.Size]] = {}  # id -> (weight, its shape when held)
         self._replaced: list[tuple[_Holder, _Unused]] = []
         self.observation: Observation | None = None
 
@@ -255,10 +240,11 @@ class WeightPlacement:
                     holders[id(p)].append(holder)
             if id(m) in by_module:
                 by_module[id(m)].paths.append(path)
-        for parent in module.modules():
-            for name, child in parent._modules.items():
-                if child is not None and id(child) in by_module:
-                    by_module[id(child)].places.append((parent, name))
+        for holder in by_module.values():
+            for path in holder.paths:
+                if path:  # the LightningModule itself has no place to take
+                    parent, _, name = path.rpartition(".")
+                    holder.places.append((module.get_submodule(parent), name))
         return holders
 
     # ------------------------------------------------------------------------------------------------ observation
@@ -307,6 +293,16 @@ class WeightPlacement:
         released_here = [id(p) in releasable and all(id(h.module) in replaceable for h in self._holders[id(p)])
                          for p in weights]
         keeps = every_rank(torch.tensor([not r for r in released_here], dtype=torch.int32))
+        by_position: dict[int, list[Tensor]] = {}
+        for rank in range(keeps.shape[0]):
+            by_position.setdefault(position_of(rank), []).append(keeps[rank])
+        split = [pos for pos, rows in by_position.items() if any(not torch.equal(rows[0], row) for row in rows[1:])]
+        if split:  # seen alike by every rank, so every rank raises
+            raise PipelineConfigError(
+                f"The data-parallel replicas of pipeline rank(s) {split} disagree on which weights outside the blocks "
+                f"their step uses; the model's step must do the same on every replica. Pass "
+                f"PipelineParallelStrategy(outside_weights=\"everywhere\") to keep those weights on every rank."
+            )
         decided = {id(p) for p in weights if id(p) not in frozen}
         self._undecided = [p for p in self._undecided if id(p) not in decided]
         for index, p in enumerate(weights):
@@ -315,16 +311,10 @@ class WeightPlacement:
             holders = frozenset(position_of(rank) for rank in range(keeps.shape[0]) if keeps[rank, index])
             if len(holders) < self.num_positions:
                 self.users[id(p)] = holders
-            if (self.position not in holders) != released_here[index]:
-                raise PipelineConfigError(
-                    f"Data-parallel replicas of pipeline rank {self.position} disagree on whether their step uses "
-                    f"`{self.names[id(p)]}`; the model's step must do the same on every replica. Pass "
-                    f"PipelineParallelStrategy(outside_weights=\"everywhere\") to keep weights outside the blocks on "
-                    f"every rank."
-                )
+        lines = self._report(weights, released_here, kept_why)  # while the released weights still have their sizes
         self._release([p for p, r in zip(weights, released_here, strict=True) if r], replaceable, observation,
                       optimizers)
-        return self._report(weights, released_here, kept_why)
+        return lines
 
     def _replaceable(self, weights: list[nn.Parameter], releasable: set[int],
                      observation: Observation) -> tuple[set[int], dict[str, str]]:
@@ -337,7 +327,8 @@ class WeightPlacement:
             if not holder.places:
                 why = "held by the LightningModule itself"
             elif any(id(q) not in releasable for q in holder.module.parameters()):
-                why = "it holds weights this rank uses"
+                used = next(n for n, q in holder.module.named_parameters() if id(q) not in releasable)
+                why = f"it also holds `{used}`, which this rank uses (or which lies in its blocks)"
             elif key in observation.called:
                 try:
                     args, kwargs = observation.meta_inputs[key]
@@ -370,25 +361,19 @@ class WeightPlacement:
                 optimizer.state.pop(p, None)
         with torch.no_grad():
             for p in released:
-                self._released.append(_Released(p, p.shape))
+                self._released[id(p)] = (p, p.shape)
                 p.grad = None
                 p.data = torch.empty(0, dtype=p.dtype, device=p.device)
 
     def _report(self, weights: list[nn.Parameter], released_here: list[bool], kept_why: dict[str, str]) -> list[str]:
         def mib(params: list[nn.Parameter]) -> str:
-            return f"{sum(self._numel(p) * p.element_size() for p in params) / 2**20:.1f} MiB"
+            return f"{sum(p.numel() * p.element_size() for p in params) / 2**20:.1f} MiB"
 
         released = [p for p, r in zip(weights, released_here, strict=True) if r]
         lines = [f"pipeline rank {self.position}: of {len(weights)} weights outside the blocks ({mib(weights)}), "
                  f"{len(released)} ({mib(released)}) are held only by the ranks that use them"]
         lines += [f"pipeline rank {self.position}: `{path}` stays here: {why}" for path, why in kept_why.items()]
         return lines
-
-    def _numel(self, p: nn.Parameter) -> int:
-        for released in self._released:
-            if released.weight is p:
-                return math.prod(released.shape)
-        return p.numel()
 
     def missing_keys(self, position: int) -> set[str]:
         """The state-dict keys pipeline ``position`` does not hold: those of the modules it stands in for."""
@@ -403,8 +388,7 @@ class WeightPlacement:
 
     def held(self) -> list[nn.Parameter]:
         """The weights outside the blocks this rank holds."""
-        gone = {id(r.weight) for r in self._released}
-        return [p for p in self.weights if id(p) not in gone]
+        return [p for p in self.weights if id(p) not in self._released]
 
     # ------------------------------------------------------------------------------------------------ restore
 
@@ -419,15 +403,20 @@ class WeightPlacement:
             for parent, name in holder.places:
                 setattr(parent, name, holder.module)
         with torch.no_grad():
-            for released in self._released:
-                released.weight.data = torch.empty(released.shape, dtype=released.weight.dtype,
-                                                   device=released.weight.device)
+            for weight, shape in self._released.values():
+                weight.data = torch.empty(shape, dtype=weight.dtype, device=weight.device)
         by_source: dict[int, list[Tensor]] = {}
         for p in self.weights:
             if id(p) in self.users:
                 by_source.setdefault(min(self.users[id(p)]), []).append(p)
+        # a stood-in module's buffers (a BatchNorm's statistics) are current only where it ran
+        for holder in {id(h.module): h for hs in self._holders.values() for h in hs}.values():
+            weights = list(holder.module.parameters())
+            if weights and all(id(p) in self.users for p in weights):
+                source = min(min(self.users[id(p)]) for p in weights)
+                by_source.setdefault(source, []).extend(holder.module.buffers())
         for source in sorted(by_source):
             broadcast(by_source[source], source)
         self.users = {}
-        self._released, self._replaced = [], []
+        self._released, self._replaced = {}, []
         self._undecided = list(self.weights)

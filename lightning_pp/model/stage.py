@@ -55,7 +55,8 @@ class _StandIn(nn.Module):
     def __init__(self, block: nn.Module, index: int, owner: int, view: StageView) -> None:
         super().__init__()
         for key, value in vars(block).items():  # e.g. a decoder layer's `attention_type`, read by the model's loop
-            if not key.startswith("_") and key != "training":
+            # plain values only: a forward set on the instance (a hook library's) must not run the real block here
+            if not key.startswith("_") and key != "training" and not callable(value):
                 self.__dict__[key] = value
         self.__dict__["_pipeline"] = (view, index, owner, type(block).__name__)
 

@@ -33,7 +33,7 @@ from lightning_pp.schedules import Schedule
 from lightning_pp.simulate import TimelineEvent
 from lightning_pp.topology import StageGroups
 
-__all__ = ["StepDriver", "StepRandomness"]
+__all__ = ["ResultExchange", "StepDriver", "StepRandomness"]
 
 _NOTHING = torch.empty(0)  # what an evaluation forward on the last stage hands the runtime (nothing to send)
 # the result exchange's fixed-size message: loss, flags, count of log numbers, then the first _INLINE of them
@@ -241,7 +241,6 @@ class StepDriver:
                 f"(PipelineParallelStrategy(microbatches={self.microbatches})); results are unchanged, the pipeline "
                 f"is less busy. Use batches of at least {self.microbatches} samples.")
         return size
-
 
 
 class ResultExchange:
