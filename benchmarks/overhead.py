@@ -9,9 +9,10 @@ model (``--models``):
   (and the transfers', which for 2 KiB tensors are a few tens of microseconds).
 - ``mlp``: 8 blocks ``Linear(512, 512) + GELU``, batch 128, as in ``benchmarks/compare.py``.
 
-with ``--microbatches`` micro-batches (default 4), SGD, an MSE loss, in two runners: **lightning_pp** (the Lightning
-Trainer with ``PipelineParallelStrategy``) and **torch.distributed.pipelining** (``PipelineStage`` + ``ScheduleGPipe``
-/ ``Schedule1F1B`` in a plain loop: next batch, ``schedule.step``, ``optimizer.step``, ``zero_grad``).
+with each count of ``--microbatches`` micro-batches (default 4), SGD, an MSE loss, in two runners: **lightning_pp**
+(the Lightning Trainer with ``PipelineParallelStrategy``) and **torch.distributed.pipelining** (``PipelineStage`` +
+``ScheduleGPipe`` / ``Schedule1F1B`` in a plain loop: next batch, ``schedule.step``, ``optimizer.step``,
+``zero_grad``).
 
 Every block of both runners is wrapped in the same pair of markers, autograd functions that read the clock when the
 block's forward starts and ends and when its backward starts and ends, so both runners' compute is measured the same
@@ -25,10 +26,10 @@ way, by the blocks themselves. Per step and stage:
   forwards, ``m`` backwards): everything beyond compute and the schedule's own bubble (the transfers, the runtime's
   Python, the result exchange, the optimizer step and the loop around it), per compute action. Reported: the median
   over steps after the warm-up. Both runners are timed by this one definition.
-- **monitor idle per action** (lightning_pp only): ``pipeline/stage{s}/idle_ms`` of ``PipelineMonitor`` (the gaps
-  between the timed actions of the schedule, the runtime's own overhead) divided by ``2 m``, median over a separate
-  run that times every step; and that run's ``step_ms`` against the simulator's step from the monitor's measured
-  action costs.
+- **monitor idle per action** (lightning_pp only): ``pipeline/stage{s}/framework_us_per_action`` of
+  ``PipelineMonitor`` (``idle_ms``, the gaps between the stage's timed actions from its first to its last, the
+  runtime's own overhead, divided by its ``2 m`` compute actions), median over a separate run that times every step;
+  and that run's ``step_ms`` against the simulator's step from the monitor's measured action costs.
 
 ``--profile DIR`` also runs every timed step of the pipelined runners under cProfile and writes one ``.prof`` file
 and a text summary (top functions by own and cumulative time) per rank into ``DIR``.
@@ -309,16 +310,16 @@ def predicted_step(schedule_name: str, p: int, m: int, per_stage: list[dict[str,
     return simulate(schedule, lambda a: costs[a.stage].get(a.type, 0.0)).makespan
 
 
-def monitor_figures(history: list[dict[str, float]], p: int, m: int) -> dict[str, Any]:
+def monitor_figures(history: list[dict[str, float]], p: int) -> dict[str, Any]:
     """From PipelineMonitor's history: idle per compute action per stage, step and predicted step (ms; medians)."""
     if not history:
         return {}
-    idle = [statistics.median(h[f"pipeline/stage{s}/idle_ms"] for h in history) / (2 * m) for s in range(p)]
+    idle = [statistics.median(h[f"pipeline/stage{s}/framework_us_per_action"] for h in history) for s in range(p)]
     predicted = []
     for h in history:
         compute = sum(h[f"pipeline/stage{s}/forward_ms"] + h[f"pipeline/stage{s}/backward_ms"] for s in range(p))
         predicted.append(compute / (p * (1 - h["pipeline/predicted_bubble_fraction"])))
-    return {"idle_per_action_us": [1e3 * v for v in idle],
+    return {"idle_per_action_us": idle,
             "step_ms": statistics.median(h["pipeline/step_ms"] for h in history),
             "predicted_ms": statistics.median(predicted)}
 
@@ -342,7 +343,7 @@ def summarize_run(run: dict[str, Any], per_rank: list[dict[str, Any] | None]) ->
         "framework_per_action_us": [statistics.median(w) / (2 * m) * 1e6 for w in windows],
         "steps": count - warmup,
     }
-    monitor = monitor_figures(ranks[0].get("history", [])[1:], p, m)  # the first measured step warms up
+    monitor = monitor_figures(ranks[0].get("history", [])[1:], p)  # the first measured step warms up
     if monitor:
         out["monitor"] = monitor
     return out
@@ -376,7 +377,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--schedules", nargs="+", default=["gpipe", "1f1b"], choices=["gpipe", "1f1b"])
     parser.add_argument("--runners", nargs="+", default=list(RUNNERS), choices=list(RUNNERS))
     parser.add_argument("--stages", type=int, default=2)
-    parser.add_argument("--microbatches", type=int, default=4)
+    parser.add_argument("--microbatches", type=int, nargs="+", default=[4])
     parser.add_argument("--sleep-ms", type=float, nargs=2, default=[2.0, 4.0], metavar=("FORWARD", "BACKWARD"),
                         help="what a sleep block's forward and backward take (default 2 4)")
     parser.add_argument("--steps", type=int, default=40, help="timed steps per run (default 40)")
@@ -398,10 +399,10 @@ def main(argv: list[str] | None = None) -> None:
         worker_main(args.worker, args.spec)
         return
     load_before = os.getloadavg()[0]
-    runs = [{"model": model, "schedule": schedule, "stages": args.stages, "microbatches": args.microbatches,
+    runs = [{"model": model, "schedule": schedule, "stages": args.stages, "microbatches": m,
              "sleep_ms": args.sleep_ms, "steps": args.steps, "warmup": args.warmup, "log": args.log,
              "monitor_steps": args.monitor_steps, "profile": str(args.profile) if args.profile else None}
-            for model in args.models for schedule in args.schedules]
+            for model in args.models for schedule in args.schedules for m in args.microbatches]
     rows: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="lpp_overhead_") as tmp_name:
         for repeat in range(args.repeats):
@@ -413,7 +414,7 @@ def main(argv: list[str] | None = None) -> None:
                     results = [r[index] if index < len(r) else None for r in per_rank]
                     rows.append({**{k: run[k] for k in ("model", "schedule", "stages", "microbatches")},
                                  "runner": runner, "repeat": repeat, "summary": summarize_run(run, results)})
-    rows.sort(key=lambda r: (r["model"], r["schedule"], r["runner"] != "torch", r["repeat"]))
+    rows.sort(key=lambda r: (r["model"], r["schedule"], r["microbatches"], r["runner"] != "torch", r["repeat"]))
     machine = compare.machine_description("cpu")
     table = markdown(rows)
     print(f"Measured on {machine}; 1-min load average {load_before:.2f} before, {os.getloadavg()[0]:.2f} after.\n")

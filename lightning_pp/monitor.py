@@ -40,7 +40,6 @@ __all__ = ["PipelineMonitor", "draw_timelines", "to_chrome_trace"]
 
 _COLOURS = {FORWARD: "#4c72b0", BACKWARD: "#dd8452", BACKWARD_INPUT: "#c44e52", BACKWARD_WEIGHT: "#8172b3",
             COMM_WAIT: "#c8c8c8", COMM_TRANSFER: "#55a868"}
-_STAGE_KEYS = ("forward_ms", "backward_ms", "comm_wait_ms", "comm_transfer_ms", "idle_ms", "bubble_fraction")
 _MIB = 2**20
 
 
@@ -66,9 +65,17 @@ class PipelineMonitor(pl.Callback):
     - ``pipeline/stage{s}/comm_wait_ms``: time blocked until the peer's header arrived, and waiting at the end of
       the step for the last sends to leave.
     - ``pipeline/stage{s}/comm_transfer_ms``: time receiving the tensor once its header was there, and posting sends.
-    - ``pipeline/stage{s}/idle_ms``: the step's wall time minus compute minus communication (framework overhead).
-    - ``pipeline/stage{s}/bubble_fraction``: share of the step's wall time stage ``s`` did not compute. This and
-      ``idle_ms`` are logged when each rank holds one stage; a rank's time is not split between its stages.
+    - ``pipeline/stage{s}/idle_ms``: framework time: the gaps between stage ``s``'s own timed intervals within its
+      span, from the start of its first action to the end of its last (the final wait for its sends included), i.e.
+      that span minus compute minus communication. Time before its first action and after its last (the last
+      stage waiting for the first stage's final backward, say) is schedule bubble, not framework time: it is in
+      ``bubble_fraction``, not here. Within the span, waiting for a peer is ``comm_wait_ms``, also not idle.
+    - ``pipeline/stage{s}/framework_us_per_action``: ``idle_ms`` in microseconds per compute action (F, B, I and W
+      each count one; transfers do not) of stage ``s`` in the step.
+    - ``pipeline/stage{s}/bubble_fraction``: share of the step's wall time stage ``s`` did not compute (its idle
+      time, communication and everything before its first and after its last action). This, ``idle_ms`` and
+      ``framework_us_per_action`` are logged when each rank holds one stage; a rank's time is not split between its
+      stages.
     - ``pipeline/rank{r}/bubble_fraction``: share of the step's wall time pipeline rank ``r`` computed nothing (for
       one stage per rank, the same as stage ``r``'s).
     - ``pipeline/rank{r}/grad_sync_ms``: after the schedule, averaging pipeline rank ``r``'s gradients over its
@@ -321,9 +328,12 @@ def stage_metrics(measured: Timeline, predicted: Timeline, samples: int,
             metrics[prefix + "backward_weight_ms"] = 1e3 * backward_weight
         metrics[prefix + "comm_wait_ms"] = 1e3 * wait
         metrics[prefix + "comm_transfer_ms"] = 1e3 * transfer
-        if one_per_rank:
+        if one_per_rank:  # stage s is rank s: its span holds only its own events
             busy = forward + backward + backward_input + backward_weight + wait + transfer
-            metrics[prefix + "idle_ms"] = 1e3 * max(0.0, wall - busy)
+            idle = max(0.0, measured.span(stage) - busy)
+            actions = sum(1 for e in measured.events if e.stage == stage and e.category in COMPUTE_CATEGORIES)
+            metrics[prefix + "idle_ms"] = 1e3 * idle
+            metrics[prefix + "framework_us_per_action"] = 1e6 * idle / max(1, actions)
             metrics[prefix + "bubble_fraction"] = measured.bubble_fraction(stage)
         if memory and stage in memory:
             peak, params = memory[stage]

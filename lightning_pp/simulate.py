@@ -88,6 +88,11 @@ class Timeline:
     def makespan(self) -> float:
         return max((e.end for e in self.events), default=0.0) - self.start
 
+    def span(self, rank: int) -> float:
+        """Time from the start of rank ``rank``'s first event to the end of its last (0 without events)."""
+        own = [e for e in self.events if e.rank == rank]
+        return max(e.end for e in own) - min(e.start for e in own) if own else 0.0
+
     def total(self, rank: int, categories: Iterable[str]) -> float:
         """Time rank ``rank`` spent in ``categories`` (for one stage per rank, the time of stage ``rank``)."""
         wanted = set(categories)

@@ -17,7 +17,8 @@ from torch import nn
 from lightning_pp import PipelineConfigError, PipelineMonitor
 from lightning_pp._memory import AllocatorPeakMeter, SavedTensorMeter, parameter_storages, stage_parameter_bytes
 
-STAGE_KEYS = ["forward_ms", "backward_ms", "comm_wait_ms", "comm_transfer_ms", "idle_ms", "bubble_fraction"]
+STAGE_KEYS = ["forward_ms", "backward_ms", "comm_wait_ms", "comm_transfer_ms", "idle_ms", "framework_us_per_action",
+              "bubble_fraction"]
 RANK_KEYS = ["bubble_fraction", "grad_sync_ms"]
 PIPELINE_KEYS = ["bubble_fraction", "predicted_bubble_fraction", "bubble_fraction_error", "step_ms",
                  "samples_per_sec"]
@@ -44,6 +45,14 @@ def test_measured_bubble_matches_theory_and_logs(world_size: int, microbatches: 
         predicted = statistics.median(h["pipeline/predicted_bubble_fraction"] for h in history)
         assert measured == pytest.approx(theory, abs=0.03), (schedule, measured, theory)
         assert predicted == pytest.approx(measured, abs=0.03), (schedule, predicted, measured)
+        # the last stage is done while stage 0 runs its last backward (one micro-batch's, >= 60 ms here): that tail is
+        # bubble, not idle (framework) time, which is the gaps between the stage's own actions
+        last = f"pipeline/stage{world_size - 1}/"
+        tail_ms = min(h["pipeline/stage0/backward_ms"] for h in history) / microbatches
+        idle_ms = statistics.median(h[last + "idle_ms"] for h in history)
+        assert idle_ms < 0.25 * tail_ms, (schedule, idle_ms, tail_ms)
+        for h in history:  # m forwards and m backwards
+            assert h[last + "framework_us_per_action"] == pytest.approx(1e3 * h[last + "idle_ms"] / (2 * microbatches))
 
         events = next((tmp_path / schedule / "tb").rglob("events.out.tfevents.*"))
         accumulator = EventAccumulator(str(events), size_guidance={"images": 0, "scalars": 0})
@@ -86,6 +95,30 @@ def test_bubbles_of_interleaved_and_zero_bubble_schedules_match_theory() -> None
     assert measured["interleaved_1f1b"] < measured["1f1b"] and measured["zb_h1"] < measured["1f1b"]
     zb = ranks[0].results[2]["history"][-1]
     assert zb["pipeline/stage1/backward_input_ms"] > 0 and zb["pipeline/stage1/backward_weight_ms"] > 0
+
+
+def test_idle_is_the_gaps_between_a_stages_actions_not_its_bubble() -> None:
+    """Stage 1 starts late (waiting for its first input is communication), leaves 0.1 ms between its actions and ends
+    4 ms before stage 0: idle counts the gaps only; the bubble counts everything in which it does not compute."""
+    from lightning_pp.monitor import stage_metrics
+    from lightning_pp.schedules import Action
+    from lightning_pp.simulate import BACKWARD, COMM_TRANSFER, COMM_WAIT, FORWARD, Timeline, TimelineEvent
+
+    def event(stage: int, action: str, category: str, start_ms: float, end_ms: float) -> TimelineEvent:
+        return TimelineEvent(stage, Action.parse(action), category, start_ms / 1e3, end_ms / 1e3)
+
+    measured = Timeline(2, [
+        event(0, "0F0", FORWARD, 0, 2), event(0, "0SEND_F0", COMM_TRANSFER, 2, 2.05),
+        event(0, "0RECV_B0", COMM_WAIT, 2.05, 8.2), event(0, "0B0", BACKWARD, 8.2, 12.2),
+        event(1, "1RECV_F0", COMM_WAIT, 1, 2.1), event(1, "1F0", FORWARD, 2.2, 4.2),  # 0.1 ms gap
+        event(1, "1B0", BACKWARD, 4.2, 8.2),  # then 4 ms of tail until stage 0's B ends
+    ])
+    metrics = stage_metrics(measured, measured, samples=8)
+    assert metrics["pipeline/stage0/idle_ms"] == pytest.approx(0.0, abs=1e-9)
+    assert metrics["pipeline/stage1/idle_ms"] == pytest.approx(0.1)
+    assert metrics["pipeline/stage1/framework_us_per_action"] == pytest.approx(50.0)  # 100 µs over F and B
+    assert metrics["pipeline/stage1/bubble_fraction"] == pytest.approx(1 - 6 / 12.2)
+    assert metrics["pipeline/stage1/comm_wait_ms"] == pytest.approx(1.1)
 
 
 def test_summary_table_without_logger() -> None:
