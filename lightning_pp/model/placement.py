@@ -22,7 +22,6 @@ everywhere. ``restore`` puts every weight back on every rank, from a rank that h
 from __future__ import annotations
 
 import copy
-import logging
 import math
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -37,9 +36,8 @@ from torch.utils.hooks import RemovableHandle
 from lightning_pp import _compat
 from lightning_pp.errors import PipelineConfigError
 
-__all__ = ["Observation", "WeightPlacement"]
+__all__ = ["WeightPlacement"]
 
-log = logging.getLogger(__name__)
 
 # reads of a tensor's metadata (not of its values): they do not make a weight used
 _METADATA_PROPERTIES = frozenset({
@@ -53,6 +51,7 @@ _METADATA_METHODS = frozenset({
 
 
 def _reads_values(func: Any) -> bool:
+    """Whether the torch function ``func`` reads its tensor arguments' values (not just their metadata)."""
     name = getattr(func, "__name__", "")
     if name == "__get__":
         return getattr(getattr(func, "__self__", None), "__name__", "") not in _METADATA_PROPERTIES
@@ -60,6 +59,7 @@ def _reads_values(func: Any) -> bool:
 
 
 def _tensors_in(value: Any) -> Iterator[Tensor]:
+    """The tensors in a torch function's (nested) arguments."""
     if isinstance(value, Tensor):
         yield value
     elif isinstance(value, (tuple, list)):
@@ -68,14 +68,6 @@ def _tensors_in(value: Any) -> Iterator[Tensor]:
     elif isinstance(value, dict):
         for item in value.values():
             yield from _tensors_in(item)
-
-
-@dataclass
-class _Use:
-    """What one rank's step did with one weight while it was observed."""
-
-    inside: bool = False  # read by its own module's forward, with gradients on
-    elsewhere: bool = False  # read outside its module, or with gradients off
 
 
 class _ReadsObserver(TorchFunctionMode):
@@ -108,28 +100,26 @@ class Observation:
 
     weights: list[nn.Parameter]
     holders: dict[int, list[_Holder]]  # id(weight) -> the modules holding it
-    uses: dict[int, _Use] = field(default_factory=dict)
+    # ids of the weights read outside their module, or with gradients off: a use this rank cannot stand in for
+    read_elsewhere: set[int] = field(default_factory=set)
     active: dict[int, int] = field(default_factory=dict)  # id(holder module) -> calls in progress
     called: set[int] = field(default_factory=set)
     meta_inputs: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # a call's arguments, on the meta device
     output_dtypes: dict[int, list[torch.dtype]] = field(default_factory=dict)
     handles: list[RemovableHandle] = field(default_factory=list)
 
-    def __post_init__(self) -> None:
-        self.uses = {id(p): _Use() for p in self.weights}
-
     def record_reads(self, tensors: Iterator[Tensor]) -> None:
+        """Note the watched weights among ``tensors`` (read by the torch function being called) that are read outside
+        a call of a module holding them, or with gradients off."""
         for t in tensors:
-            use = self.uses.get(id(t))
-            if use is None:
+            holders = self.holders.get(id(t))
+            if holders is None:
                 continue
-            inside = torch.is_grad_enabled() and any(self.active.get(id(h.module), 0) for h in self.holders[id(t)])
-            if inside:
-                use.inside = True
-            else:
-                use.elsewhere = True
+            if not (torch.is_grad_enabled() and any(self.active.get(id(h.module), 0) for h in holders)):
+                self.read_elsewhere.add(id(t))
 
     def watch(self, module: nn.Module) -> None:
+        """Count the calls in progress of ``module`` (a holder), and keep its first call's inputs and output dtypes."""
         def before(m: nn.Module, args: Any, kwargs: Any) -> None:
             self.active[id(m)] = self.active.get(id(m), 0) + 1
             if id(m) not in self.called:
@@ -146,6 +136,7 @@ class Observation:
         self.handles.append(module.register_forward_hook(after, always_call=True))
 
     def stop(self) -> None:
+        """Remove the hooks :meth:`watch` installed."""
         for handle in self.handles:
             handle.remove()
         self.handles = []
@@ -220,7 +211,6 @@ class WeightPlacement:
         self.position = position
         self.num_positions = num_positions
         self.users: dict[int, frozenset[int]] = {}
-        self.names = {id(p): n for n, p in module.named_parameters()}
         self._holders = self._find_holders(module)
         self._undecided = list(weights)  # observed on the next training step where trainable
         self._released: dict[int, tuple[nn.Parameter, torch.Size]] = {}  # id -> (weight, its shape when held)
@@ -285,7 +275,8 @@ class WeightPlacement:
         self.observation = None
         weights = observation.weights
         frozen = {id(p) for p in weights if not p.requires_grad}  # frozen again before the step ended
-        used_here = [id(p) in frozen or p.grad is not None or observation.uses[id(p)].elsewhere for p in weights]
+        used_here = [id(p) in frozen or p.grad is not None or id(p) in observation.read_elsewhere
+                     for p in weights]
         used_anywhere = any_rank(torch.tensor(used_here, dtype=torch.int32)).tolist()
         releasable = {id(p) for p, here, anywhere in zip(weights, used_here, used_anywhere, strict=True)
                       if anywhere and not here}
