@@ -1,5 +1,6 @@
 """One compute thread in the test process too, like every rank: single-device references then sum in the same order."""
 
+import os
 from collections.abc import Iterator
 
 import pytest
@@ -9,8 +10,12 @@ torch.set_num_threads(1)
 
 
 @pytest.fixture(autouse=True)
-def _one_thread() -> Iterator[None]:
-    """Lightning's launcher sets the thread count of a process that fits in-process (``_set_num_threads_if_needed``):
-    put it back, so a later test's single-device reference sums as the ranks do."""
+def _as_before() -> Iterator[None]:
+    """A test that fits in-process leaves Lightning's changes to the process behind: the thread count
+    (``_set_num_threads_if_needed``) and the environment (``MASTER_PORT`` of a store that still listens). Put both back,
+    so a later test's single-device reference sums as the ranks do and a later launch does not reuse that port."""
+    environment = dict(os.environ)
     yield
     torch.set_num_threads(1)
+    os.environ.clear()
+    os.environ.update(environment)

@@ -12,7 +12,8 @@ EXAMPLES = Path(__file__).parents[1] / "examples"
 
 
 def test_gpt_example_trains_and_writes_tensorboard_logs(tmp_path: Path) -> None:
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK")}
+    env = {k: v for k, v in os.environ.items()
+           if k not in ("LOCAL_RANK", "WORLD_SIZE", "NODE_RANK", "MASTER_ADDR", "MASTER_PORT")}
     result = run_script(
         [sys.executable, str(EXAMPLES / "train_gpt.py"), "--max-steps", "20", "--log-dir", str(tmp_path)],
         timeout=240, env=env, cwd=tmp_path,
