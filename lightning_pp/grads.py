@@ -1,5 +1,5 @@
-"""Gradients across ranks: the replicas' average, weights held by every stage, the global clipping norm and the fp16
-inf/NaN verdict."""
+"""Gradients across ranks: the replicas' average, weights outside the blocks summed over their holders, the global
+clipping norm and the fp16 inf/NaN verdict."""
 
 from __future__ import annotations
 

@@ -79,7 +79,7 @@ class PipelineMonitor(pl.Callback):
     - ``pipeline/rank{r}/bubble_fraction``: share of the step's wall time pipeline rank ``r`` computed nothing (for
       one stage per rank, the same as stage ``r``'s).
     - ``pipeline/rank{r}/grad_sync_ms``: after the schedule, averaging pipeline rank ``r``'s gradients over its
-      data-parallel replicas and summing those of weights held by every stage (the slowest replica; not part of
+      data-parallel replicas and summing those of weights several stages hold (the slowest replica; not part of
       ``step_ms``).
     - ``pipeline/bubble_fraction``: the same over all ranks, the headline number.
     - ``pipeline/predicted_bubble_fraction``: the simulator's bubble for this schedule, fed with the measured costs

@@ -747,7 +747,7 @@ class PipelineParallelStrategy(ParallelStrategy):
             if timed:  # for PipelineMonitor: wait for the queued work first, so the clock reads the collectives alone
                 _synchronize(self.root_device)
                 started = time.perf_counter()
-            with self._collective("the gradient all-reduce (replicas' average, weights every stage holds)"):
+            with self._collective("the gradient all-reduce (replicas' average, weights several stages hold)"):
                 self._grads.synchronize([p for p in module.parameters() if p.requires_grad])
             if timed:
                 _synchronize(self.root_device)

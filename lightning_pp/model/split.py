@@ -29,7 +29,8 @@ class Partition:
     full_state_keys: list[str]
 
     def shared_tensors(self, module: nn.Module) -> tuple[list[nn.Parameter], list[Tensor]]:
-        """The parameters and buffers outside the blocks, which every stage holds (trainable now or not)."""
+        """The parameters and buffers outside the blocks, which every stage holds until a training step places them
+        (trainable now or not)."""
         local = {id(t) for block in self.view.local_blocks() for t in (*block.parameters(), *block.buffers())}
         return ([p for p in module.parameters() if id(p) not in local],
                 [b for b in module.buffers() if id(b) not in local])
