@@ -44,36 +44,17 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     from lightning_pp import PipelineParallelStrategy
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from models import SleepLayer  # the test suite's sleeping layer: forward and backward each sleep a fixed time
+
     torch.set_num_threads(1)
-
-    class Sleep(torch.autograd.Function):
-        """Identity whose forward and backward sleep: a block's cost independent of the machine's load."""
-
-        @staticmethod
-        def forward(ctx: Any, x: torch.Tensor, seconds: float) -> torch.Tensor:
-            ctx.seconds = seconds
-            time.sleep(seconds)
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
-            time.sleep(ctx.seconds)
-            return grad, None
-
-    class Block(nn.Module):
-        def __init__(self, seconds: float) -> None:
-            super().__init__()
-            self.scale = nn.Parameter(torch.ones(()))
-            self.seconds = seconds
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return Sleep.apply(x * self.scale, self.seconds)
 
     class SlowFirst(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             base = spec["base_ms"] / 1e3
-            self.blocks = nn.Sequential(*[Block(base * (SLOWDOWN if i == 0 else 1)) for i in range(BLOCKS)])
+            seconds = [base * (SLOWDOWN if i == 0 else 1) for i in range(BLOCKS)]
+            self.blocks = nn.Sequential(*[SleepLayer(s, s) for s in seconds])  # forward and backward sleep s
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             x, y = batch

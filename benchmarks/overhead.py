@@ -52,6 +52,7 @@ from pathlib import Path
 from typing import Any
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
+sys.path.insert(1, str(Path(__file__).resolve().parents[1] / "tests"))
 import compare  # the launcher and the machine description
 
 RUNNERS = {"torch": "torch.distributed.pipelining", "lightning": "lightning_pp"}
@@ -66,6 +67,7 @@ _RECORDS: list[tuple[str, float]] = []
 def make_blocks(run: dict[str, Any]) -> Any:
     """The model's blocks, each wrapped in the timing markers."""
     import torch
+    from models import SleepLayer  # the test suite's sleeping layer (tests/ is on the path)
     from torch import nn
 
     class Enter(torch.autograd.Function):
@@ -91,27 +93,6 @@ def make_blocks(run: dict[str, Any]) -> Any:
         def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None]:
             ctx.block.backward_started = time.perf_counter()
             return grad, None
-
-    class Sleep(torch.autograd.Function):
-        @staticmethod
-        def forward(ctx: Any, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:
-            ctx.backward_s = backward_s
-            time.sleep(forward_s)
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-            time.sleep(ctx.backward_s)
-            return grad, None, None
-
-    class SleepLayer(nn.Module):
-        def __init__(self, forward_s: float, backward_s: float) -> None:
-            super().__init__()
-            self.scale = nn.Parameter(torch.ones(()))
-            self.forward_s, self.backward_s = forward_s, backward_s
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            return Sleep.apply(x * self.scale, self.forward_s, self.backward_s)
 
     class Timed(nn.Module):
         """A block whose passes are timed by itself (the markers' backward runs also on the first stage, whose input
