@@ -23,7 +23,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -58,18 +58,6 @@ def _reads_values(func: Any) -> bool:
     return name not in _METADATA_METHODS
 
 
-def _tensors_in(value: Any) -> Iterator[Tensor]:
-    """The tensors in a torch function's (nested) arguments."""
-    if isinstance(value, Tensor):
-        yield value
-    elif isinstance(value, (tuple, list)):
-        for item in value:
-            yield from _tensors_in(item)
-    elif isinstance(value, dict):
-        for item in value.values():
-            yield from _tensors_in(item)
-
-
 class _ReadsObserver(TorchFunctionMode):
     """Records which watched weights each torch function reads, and where."""
 
@@ -80,7 +68,7 @@ class _ReadsObserver(TorchFunctionMode):
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
         if _reads_values(func):
-            self.observation.record_reads(_tensors_in((args, kwargs)))
+            self.observation.record_reads(_compat.tree_tensors((args, kwargs)))
         return func(*args, **kwargs)
 
 
@@ -108,7 +96,7 @@ class Observation:
     output_dtypes: dict[int, list[torch.dtype]] = field(default_factory=dict)
     handles: list[RemovableHandle] = field(default_factory=list)
 
-    def record_reads(self, tensors: Iterator[Tensor]) -> None:
+    def record_reads(self, tensors: list[Tensor]) -> None:
         """Note the watched weights among ``tensors`` (read by the torch function being called) that are read outside
         a call of a module holding them, or with gradients off."""
         for t in tensors:
@@ -212,6 +200,7 @@ class WeightPlacement:
         self.num_positions = num_positions
         self.users: dict[int, frozenset[int]] = {}
         self._holders = self._find_holders(module)
+        self._holder_modules = list({id(h.module): h for hs in self._holders.values() for h in hs}.values())
         self._undecided = list(weights)  # observed on the next training step where trainable
         self._released: dict[int, tuple[nn.Parameter, torch.Size]] = {}  # id -> (weight, its shape when held)
         self._replaced: list[tuple[_Holder, _Unused]] = []
@@ -369,8 +358,7 @@ class WeightPlacement:
     def missing_keys(self, position: int) -> set[str]:
         """The state-dict keys pipeline ``position`` does not hold: those of the modules it stands in for."""
         missing: set[str] = set()
-        holders = {id(h.module): h for hs in self._holders.values() for h in hs}.values()
-        for holder in holders:
+        for holder in self._holder_modules:
             weights = list(holder.module.parameters())
             if weights and all(position not in self.users.get(id(p), (position,)) for p in weights):
                 for path in holder.paths:
@@ -401,7 +389,7 @@ class WeightPlacement:
             if id(p) in self.users:
                 by_source.setdefault(min(self.users[id(p)]), []).append(p)
         # a stood-in module's buffers (a BatchNorm's statistics) are current only where it ran
-        for holder in {id(h.module): h for hs in self._holders.values() for h in hs}.values():
+        for holder in self._holder_modules:
             weights = list(holder.module.parameters())
             if weights and all(id(p) in self.users for p in weights):
                 source = min(min(self.users[id(p)]) for p in weights)
