@@ -108,6 +108,20 @@ def tree_tensors(tree: Any) -> list[torch.Tensor]:
     return [leaf for leaf in tree_leaves(tree) if isinstance(leaf, torch.Tensor)]
 
 
+def tree_flatten(tree: Any) -> tuple[list[Any], Any]:
+    """The leaves of ``tree`` (in :func:`tree_map_tensors`' order) and a comparable description of the rest, from
+    which :func:`tree_unflatten` rebuilds it (in this process: unpickling one warns of deprecated classes)."""
+    from torch.utils._pytree import tree_flatten as flatten
+
+    return flatten(tree)
+
+
+def tree_unflatten(leaves: list[Any], spec: Any) -> Any:
+    from torch.utils._pytree import tree_unflatten as unflatten
+
+    return unflatten(leaves, spec)
+
+
 def train_data_source(trainer: Any) -> Any | None:
     """Where ``fit`` takes its training batches from (the loaders passed to it, or the module's or datamodule's
     ``train_dataloader`` hook), with ``dataloader()`` to ask for them; None when there is none."""
@@ -162,6 +176,8 @@ __all__ = [
     "sync_metric_states",
     "tensor_version",
     "train_data_source",
+    "tree_flatten",
     "tree_map_tensors",
     "tree_tensors",
+    "tree_unflatten",
 ]

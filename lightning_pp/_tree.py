@@ -1,9 +1,11 @@
 """What crosses a stage boundary: a block's output (a tensor, or tuples / lists / dicts of tensors and plain values)
-split into its tensors and a JSON description of the rest, so it travels without pickle and is rebuilt alike."""
+split into its tensors and a JSON description of the rest, so it travels without pickle and is rebuilt alike; and
+tensors packed into one byte buffer, so several travel as one message."""
 
 from __future__ import annotations
 
 import json
+import math
 from collections.abc import Callable
 from typing import Any
 
@@ -11,12 +13,16 @@ import torch
 
 from lightning_pp.errors import PipelineConfigError
 
-__all__ = ["Spec", "decode_spec", "encode_spec", "flatten", "map_tensors", "unflatten"]
+__all__ = ["Layout", "Spec", "decode_spec", "encode_spec", "flatten", "map_tensors", "pack", "packed_size", "unflatten",
+           "unpack"]
 
 # {"T": i}: the i-th tensor; {"V": x}: a plain value (None, bool, int, float, str); {"tuple"|"list": [...]};
 # {"dict": [[key, spec], ...]}
 Spec = dict[str, Any]
 _PLAIN = (type(None), bool, int, float, str)
+# (dtype, shape) of each tensor in a packed buffer
+Layout = list[tuple[torch.dtype, list[int]]]
+_ALIGN = 16  # tensors start at multiples of this in a packed buffer, so each can be read in its own dtype
 
 
 def flatten(obj: Any) -> tuple[list[torch.Tensor], Spec]:
@@ -67,3 +73,44 @@ def encode_spec(spec: Spec) -> bytes:
 
 def decode_spec(data: bytes) -> Spec:
     return json.loads(data.decode())  # type: ignore[no-any-return]
+
+
+def _offsets(layout: Layout, start: int) -> tuple[list[int], int]:
+    """Where each tensor of ``layout`` starts in a buffer whose tensors start at byte ``start``, and its size."""
+    offsets: list[int] = []
+    end = start
+    for dtype, shape in layout:
+        offsets.append(end)
+        end += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
+    return offsets, end
+
+
+def packed_size(layout: Layout, start: int = 0) -> int:
+    """The bytes :func:`pack` needs for tensors of ``layout`` placed from byte ``start``."""
+    return _offsets(layout, start)[1]
+
+
+def pack(tensors: list[torch.Tensor], device: torch.device, start: int = 0, size: int = 0) -> torch.Tensor:
+    """A byte buffer on ``device`` (of at least ``size`` bytes) holding ``tensors`` from byte ``start`` on; the bytes
+    before ``start`` are left for the caller."""
+    offsets, end = _offsets([(t.dtype, list(t.shape)) for t in tensors], start)
+    buffer = torch.empty(max(end, size), dtype=torch.uint8, device=device)
+    for tensor, offset in zip(tensors, offsets, strict=True):
+        flat = tensor.reshape(-1).view(torch.uint8)
+        buffer[offset:offset + flat.numel()].copy_(flat)
+    return buffer
+
+
+def unpack(buffer: torch.Tensor, layout: Layout, start: int = 0) -> list[torch.Tensor]:
+    """The tensors of ``layout`` that :func:`pack` placed in ``buffer`` (sharing its memory, but not views of it: each
+    is a leaf of its own)."""
+    offsets, _ = _offsets(layout, start)
+    storage = buffer.untyped_storage()
+    tensors = []
+    for (dtype, shape), offset in zip(layout, offsets, strict=True):
+        strides = [1] * len(shape)
+        for i in range(len(shape) - 2, -1, -1):
+            strides[i] = strides[i + 1] * shape[i + 1]
+        tensors.append(torch.empty(0, dtype=dtype, device=buffer.device).set_(storage, offset // dtype.itemsize,
+                                                                              shape, strides))
+    return tensors

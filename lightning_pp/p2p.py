@@ -34,7 +34,6 @@ this stage, the action and the peer.
 
 from __future__ import annotations
 
-import math
 import time
 from collections import deque
 from collections.abc import Sequence
@@ -44,7 +43,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_pp._tree import Spec, decode_spec, encode_spec, flatten, unflatten
+from lightning_pp._tree import Layout, Spec, decode_spec, encode_spec, flatten, pack, packed_size, unflatten, unpack
 from lightning_pp.errors import PipelineCommError, PipelineConfigError, PipelineTimeoutError
 from lightning_pp.schedules import Action, ActionType
 
@@ -68,50 +67,19 @@ _HEADER_TAG, _PAYLOAD_TAG, _RESIZED_TAG, _SPEC_TAG = 1, 2, 3, 4
 _RECEIVES = (ActionType.RECV_F, ActionType.RECV_B)
 
 _HEADER_BYTES = 8 * _HEADER_LEN
-_ALIGN = 16  # payloads start at multiples of this in a packet, so each can be read in its own dtype
 _TENSOR_SPEC: Spec = {"T": 0}  # the structure of a plain tensor
 
-# (dtype, shape) of each tensor of a transfer
-_Layout = list[tuple[torch.dtype, list[int]]]
 # (packet buffer, or the header alone on the host; its work; the payload layout the packet has room for)
-_PostedReceive = tuple[torch.Tensor, dist.Work, _Layout]
-
-
-def _offsets(layout: _Layout, start: int) -> tuple[list[int], int]:
-    """Where each tensor of ``layout`` starts in a packet whose payloads start at byte ``start``, and its size."""
-    offsets: list[int] = []
-    end = start
-    for dtype, shape in layout:
-        offsets.append(end)
-        end += -(-math.prod(shape) * dtype.itemsize // _ALIGN) * _ALIGN
-    return offsets, end
+_PostedReceive = tuple[torch.Tensor, dist.Work, Layout]
 
 
 def _pack(header: list[int] | None, payloads: list[torch.Tensor], device: torch.device,
           size: int = 0) -> torch.Tensor:
     """One byte buffer (of at least ``size`` bytes) holding ``header`` (if any) and then ``payloads``."""
-    offsets, end = _offsets([(t.dtype, list(t.shape)) for t in payloads], _HEADER_BYTES if header else 0)
-    packet = torch.empty(max(end, size), dtype=torch.uint8, device=device)
+    packet = pack(payloads, device, _HEADER_BYTES if header else 0, size)
     if header:
         packet[:_HEADER_BYTES].view(torch.int64).copy_(torch.tensor(header, dtype=torch.int64))
-    for tensor, offset in zip(payloads, offsets, strict=True):
-        flat = tensor.reshape(-1).view(torch.uint8)
-        packet[offset:offset + flat.numel()].copy_(flat)
     return packet
-
-
-def _unpack(packet: torch.Tensor, layout: _Layout, start: int) -> list[torch.Tensor]:
-    """The tensors of ``layout`` in ``packet`` (sharing its memory, but not views of it: each is a leaf of its own)."""
-    offsets, _ = _offsets(layout, start)
-    storage = packet.untyped_storage()
-    tensors = []
-    for (dtype, shape), offset in zip(layout, offsets, strict=True):
-        strides = [1] * len(shape)
-        for i in range(len(shape) - 2, -1, -1):
-            strides[i] = strides[i + 1] * shape[i + 1]
-        tensors.append(torch.empty(0, dtype=dtype, device=packet.device).set_(storage, offset // dtype.itemsize,
-                                                                              shape, strides))
-    return tensors
 
 
 def _posted(work: dist.Work | None) -> dist.Work:
@@ -155,7 +123,7 @@ class StageP2P:
         # headers on the host (gloo) may be received ahead; NCCL receives are posted when their action runs
         self._prefetch = 0 if self._poll and self.header_groups is None else prefetch
         # (source stage, destination stage, micro-batch) -> layout and structure of the last transfer; both ends agree
-        self._expected: dict[tuple[int, int, int], _Layout] = {}
+        self._expected: dict[tuple[int, int, int], Layout] = {}
         self._specs: dict[tuple[int, int, int], Spec] = {}
         self._unposted: dict[ActionType, deque[Action]] = {kind: deque() for kind in _RECEIVES}
         self._posted: dict[Action, _PostedReceive] = {}
@@ -216,7 +184,7 @@ class StageP2P:
         if expected == layout:
             messages = [(_pack(header, payloads, self.device), _PAYLOAD_TAG)]
         else:
-            messages = [(_pack(header, [], self.device, _offsets(expected, _HEADER_BYTES)[1]), _PAYLOAD_TAG)]
+            messages = [(_pack(header, [], self.device, packed_size(expected, _HEADER_BYTES)), _PAYLOAD_TAG)]
         if spec_bytes:
             messages.append((torch.frombuffer(bytearray(spec_bytes), dtype=torch.uint8).to(self.device), _SPEC_TAG))
         if expected != layout:
@@ -264,7 +232,7 @@ class StageP2P:
         header = packet if self.header_groups is not None else packet[:_HEADER_BYTES].view(torch.int64)
         values = header.tolist()
         spec_len, count = values[0], values[1]
-        layout: _Layout = []
+        layout: Layout = []
         requires_grad: list[bool] = []
         for i in range(count):
             code, grad, ndim, *dims = values[2 + i * _PER_TENSOR : 2 + (i + 1) * _PER_TENSOR]
@@ -282,12 +250,12 @@ class StageP2P:
             peer, group = self.stage_ranks[action.peer], self._group_of(action)
             self._batch += [(action, dist.P2POp(dist.irecv, p, peer, group)) for p in payloads]
         elif expected == layout:
-            payloads = _unpack(packet, layout, _HEADER_BYTES)
+            payloads = unpack(packet, layout, _HEADER_BYTES)
         else:
-            resized = torch.empty(_offsets(layout, 0)[1], dtype=torch.uint8, device=self.device)
+            resized = torch.empty(packed_size(layout), dtype=torch.uint8, device=self.device)
             if layout:
                 self._wait(self._irecv(resized, action, _RESIZED_TAG), action, "receiving the resized tensor")
-            payloads = _unpack(resized, layout, 0)
+            payloads = unpack(resized, layout, 0)
             self._expected[key] = layout
         if torch.is_grad_enabled():
             for payload, grad in zip(payloads, requires_grad, strict=True):
@@ -350,7 +318,7 @@ class StageP2P:
             self._posted[action] = (header, work, [])
         else:
             expected = self._expected.get((action.peer, action.stage, action.microbatch), [])
-            packet = torch.empty(_offsets(expected, _HEADER_BYTES)[1], dtype=torch.uint8, device=self.device)
+            packet = torch.empty(packed_size(expected, _HEADER_BYTES), dtype=torch.uint8, device=self.device)
             self._posted[action] = (packet, self._irecv(packet, action, _PAYLOAD_TAG), expected)
         self._posted_count[action.type] += 1
 

@@ -41,6 +41,7 @@ from lightning_pp.errors import PipelineCommError, PipelineConfigError
 from lightning_pp.grads import PipelineGradients, broadcast_tensors
 from lightning_pp.model.balance import BALANCE_MODES, resolve_balance
 from lightning_pp.model.placement import WeightPlacement
+from lightning_pp.model.results import outputs_read
 from lightning_pp.model.split import Partition, is_split, split_module
 from lightning_pp.model.step import StepDriver
 from lightning_pp.p2p import StageP2P
@@ -660,6 +661,35 @@ class PipelineParallelStrategy(ParallelStrategy):
             launcher.kill(signal.SIGKILL)
 
     # ------------------------------------------------------------------------------------------------ the step
+
+    @override
+    def on_train_start(self) -> None:
+        self._decide_outputs("training_step")
+
+    @override
+    def on_validation_start(self) -> None:
+        self._decide_outputs("validation_step")
+
+    @override
+    def on_test_start(self) -> None:
+        self._decide_outputs("test_step")
+
+    @override
+    def on_predict_start(self) -> None:
+        self._decide_outputs("predict_step")
+
+    def _decide_outputs(self, step_name: str) -> None:
+        """Send the step's outputs from the last stage to the others only if something there reads them."""
+        module = self.lightning_module
+        if self._driver is None or module is None or self.num_stages == 1:
+            return
+        with self._collective(f"agreeing whether the stages read what {step_name} returns"):
+            sent = self._driver.decide_outputs(step_name, outputs_read(module.trainer, step_name))
+        if not sent and step_name == "predict_step" and self.global_rank == 0:
+            assert self._groups is not None
+            log.info(f"The predictions stay on the pipeline's last stage (rank {self._groups.last_stage_rank}): "
+                     f"nothing on the other stages reads them (return_predictions=False, no prediction writer, no "
+                     f"on_predict_batch_end hook), so predict_step returns None there.")
 
     def _schedule(self, num_microbatches: int, forward_only: bool) -> Schedule:
         key = (num_microbatches, forward_only)

@@ -652,3 +652,49 @@ class BatchRecorder(L.Callback):
     def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
                              batch_idx: int) -> None:
         self.batches.append(batch[0].detach().cpu().clone())
+
+
+def step_outputs(step: int) -> Any:
+    """What the last stage's step ``step`` of ``scenarios.result_exchange`` returns: structures whose tensors change
+    every step, and whose shapes, dtypes, containers and plain values change at some steps only."""
+    from transformers.modeling_outputs import SequenceClassifierOutput
+
+    base = torch.arange(12, dtype=torch.float32).reshape(3, 4) + step
+    if step in (0, 1):  # the same structure twice: the second time it travels without pickle
+        return {"probs": base, "ids": base.long(), "mask": base > 5, "name": "a", "n": 3, "none": None}
+    if step == 2:  # a shape changes
+        return {"probs": base[:2], "ids": base.long(), "mask": base > 5, "name": "a", "n": 3, "none": None}
+    if step in (3, 4):  # Hugging Face's output class, a half-precision scalar and a non-contiguous view
+        return SequenceClassifierOutput(logits=base.t(), loss=base.sum().half())
+    if step == 5:  # a plain value changes, inside a list and a tuple
+        return [(base.double(), 1.5), "b"]
+    if step == 6:
+        return [(base.double(), 2.5), "b"]
+    if step == 7:  # what cannot be packed: a sparse tensor, an array
+        import numpy as np
+
+        return {"sparse": base.to_sparse(), "array": np.arange(3) + step}
+    return None  # step 8: nothing
+
+
+def assert_same_outputs(got: Any, want: Any) -> None:
+    """``got`` is ``want``: the same containers, plain values and tensors (values, dtypes, shapes)."""
+    import numpy as np
+
+    assert type(got) is type(want), (type(got), type(want))
+    if isinstance(want, torch.Tensor):
+        if want.is_sparse:
+            want, got = want.to_dense(), got.to_dense()
+        assert got.dtype == want.dtype and torch.equal(got, want), (got, want)
+    elif isinstance(want, np.ndarray):
+        assert np.array_equal(got, want)
+    elif isinstance(want, dict):  # also Hugging Face's ModelOutput
+        assert list(got) == list(want)
+        for key in want:
+            assert_same_outputs(got[key], want[key])
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want)
+        for a, b in zip(got, want, strict=True):
+            assert_same_outputs(a, b)
+    else:
+        assert got == want

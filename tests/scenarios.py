@@ -254,3 +254,39 @@ def train_real(model: str, timeout: float = 60, dirpath: str | None = None, **st
         strategy["microbatch_weight"] = getattr(real_models, strategy["microbatch_weight"])
     return real_models.run(model, PipelineParallelStrategy(timeout=timeout, **strategy), devices=WORLD_SIZE,
                            dirpath=dirpath)
+
+
+def result_exchange(steps: int) -> list[dict[str, Any]]:
+    """The pipeline's last stage (rank 1) sends ``models.step_outputs(step)`` for each step, and 20 logged numbers;
+    every other step without outputs. Return, per step, what arrived and how many pickled broadcasts it took."""
+    import torch
+    import torch.distributed as dist
+    from models import step_outputs
+
+    from lightning_pp.model import results
+    from lightning_pp.topology import PipelineLayout, create_groups
+
+    dist.init_process_group("gloo", rank=GLOBAL_RANK, world_size=WORLD_SIZE)
+    pickled = 0
+    broadcast_object_list = dist.broadcast_object_list
+
+    def counting(*args: Any, **kwargs: Any) -> None:
+        nonlocal pickled
+        pickled += 1
+        broadcast_object_list(*args, **kwargs)
+
+    results.dist.broadcast_object_list = counting  # type: ignore[attr-defined]
+    try:
+        groups = create_groups(PipelineLayout(WORLD_SIZE, 1), GLOBAL_RANK, lambda ranks: dist.new_group(ranks))
+        exchange = results.ResultExchange(groups, torch.device("cpu"))
+        arrived = []
+        for step in range(steps):
+            for send in (True, False):
+                pickled = 0
+                records = [(f"m{i}", float(step + i), {"prog_bar": i == 0}) for i in range(20)]
+                loss, logged, outputs = exchange.share(0.5 + step, records, step_outputs(step), send)
+                arrived.append({"loss": loss, "logged": logged, "outputs": outputs, "pickled": pickled})
+    finally:
+        results.dist.broadcast_object_list = broadcast_object_list  # type: ignore[attr-defined]
+        dist.destroy_process_group()
+    return arrived

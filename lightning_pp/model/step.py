@@ -18,14 +18,14 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-import torch.distributed as dist
 from lightning.fabric.utilities import move_data_to_device
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
-from lightning_pp._logs import LogRecord, LogRecorder, RecordLayout, join_records, replay, split_records
+from lightning_pp._logs import LogRecorder, replay
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.microbatch import batch_size, merge_microbatches, split_batch
+from lightning_pp.model.results import ResultExchange
 from lightning_pp.model.stage import StageOutput, StageView
 from lightning_pp.p2p import StageP2P
 from lightning_pp.runtime import run_stage, step_clock
@@ -33,13 +33,9 @@ from lightning_pp.schedules import Schedule
 from lightning_pp.simulate import TimelineEvent
 from lightning_pp.topology import StageGroups
 
-__all__ = ["ResultExchange", "StepDriver", "StepRandomness"]
+__all__ = ["StepDriver", "StepRandomness"]
 
 _NOTHING = torch.empty(0)  # what an evaluation forward on the last stage hands the runtime (nothing to send)
-# the result exchange's fixed-size message: loss, flags, count of log numbers, then the first _INLINE of them
-_INLINE = 13
-_MESSAGE_LEN = 3 + _INLINE
-_LAYOUT, _REST = 1, 2  # flags: the records' layout changed; a pickled object follows
 
 
 class StepRandomness:
@@ -107,12 +103,22 @@ class StepDriver:
         self.pending_grads: list[tuple[torch.nn.Parameter, Tensor]] = []
         self._warned_small_batch = False
         self._exchange = ResultExchange(groups, device) if groups is not None else None
+        self._send_outputs: dict[str, bool] = {}  # per step name: whether the outputs go to every stage
+
+    def decide_outputs(self, step_name: str, read_here: bool) -> bool:
+        """Agree with the pipeline's other stages (every stage calls this) whether ``step_name``'s outputs are sent to
+        every stage: when any stage reads them. Returns the decision."""
+        send = self._exchange.agree(read_here) if self._exchange is not None else read_here
+        self._send_outputs[step_name] = send
+        return send
 
     def run(self, step_name: str, args: tuple[Any, ...], kwargs: dict[str, Any], *, accumulation: int,
             scaler: torch.amp.GradScaler | None, collective: Callable[[str], AbstractContextManager[None]],
             timing_sink: Callable[[list[TimelineEvent], int], None] | None) -> Any:
-        """Run the user's ``step_name`` over micro-batches; return what it returns on one device (the same on every
-        stage: the last stage's results and ``self.log`` calls are sent to every stage)."""
+        """Run the user's ``step_name`` over micro-batches; return what it returns on one device. The last stage's
+        loss and ``self.log`` calls reach every stage; its outputs (what an evaluation step returns, a training step's
+        dict entries beyond the loss) only where :meth:`decide_outputs` said so, elsewhere the other stages return
+        ``None`` (training: the loss alone)."""
         module, view = self.module, self.view
         training = step_name == "training_step"
         user_step = getattr(module, step_name)
@@ -190,17 +196,17 @@ class StepDriver:
             values = torch.stack([losses[mb] for mb in order]).double().tolist()
             result = sum(value * shares[mb] for value, mb in zip(values, order, strict=True)) / sum(shares)
             if extras:
-                extra = move_data_to_device(merge_microbatches([extras[mb] for mb in order], sizes),
-                                            torch.device("cpu"))
+                extra = merge_microbatches([extras[mb] for mb in order], sizes)
         elif last:
             joined = merge_microbatches([block_outputs[mb] for mb in range(len(microbatches))], sizes)
             with view.finishing(joined), self.randomness.pass_(-1), self.recorder.recording(module, 0):
-                result = move_data_to_device(user_step(batch, *rest, **kwargs), torch.device("cpu"))
+                result = user_step(batch, *rest, **kwargs)
             records = self.recorder.combine([total])
         if self._exchange is not None:
             with collective("the broadcast of the step's results from the pipeline's last stage"):
                 sent_loss, records, sent = self._exchange.share(result if training else None, records,
-                                                                extra if training else result)
+                                                                extra if training else result,
+                                                                self._send_outputs.get(step_name, True))
             result, extra = (sent_loss, sent) if training else (sent, None)
         replay(module, records, updated_here=last)
         if events is not None and timing_sink is not None:
@@ -241,54 +247,3 @@ class StepDriver:
                 f"(PipelineParallelStrategy(microbatches={self.microbatches})); results are unchanged, the pipeline "
                 f"is less busy. Use batches of at least {self.microbatches} samples.")
         return size
-
-
-class ResultExchange:
-    """Sends what a step's last stage produced to the pipeline's other stages, in one small tensor broadcast when it
-    is only numbers (the common case).
-
-    That fixed-size message holds the training loss, flags and the first :data:`_INLINE` numbers of the step's log
-    records; more numbers follow in a second tensor broadcast. Only what is not a number travels pickled
-    (``broadcast_object_list``), and only when there is some: the layout of the log records (names, options) when it
-    differs from the previous step's, the other entries of a dict a training step returned, and what an evaluation
-    step returned when that is not ``None``.
-    """
-
-    def __init__(self, groups: StageGroups, device: torch.device) -> None:
-        self.group = groups.pipeline
-        self.source = groups.last_stage_rank
-        self.is_source = dist.get_rank() == self.source
-        self.device = torch.device("cpu") if dist.get_backend(self.group) == "gloo" else device
-        self._layout: list[RecordLayout] = []  # the previous step's, the same on every stage
-
-    def share(self, loss: float | None, records: list[LogRecord], rest: Any) -> tuple[float, list[LogRecord], Any]:
-        """On the source, send ``loss`` (``None``: no loss), ``records`` and ``rest`` (any picklable object);
-        elsewhere the arguments are ignored. Returns what the source sent, on every stage."""
-        layout, numbers = split_records(records) if self.is_source else (self._layout, [])
-        if self.is_source:
-            changed = layout != self._layout
-            flags = (_LAYOUT if changed else 0) | (_REST if rest is not None else 0)
-            count = len(numbers)
-            head = [math.nan if loss is None else loss, float(flags), float(count), *numbers[:_INLINE]]
-            message = torch.tensor(head + [0.0] * (_MESSAGE_LEN - len(head)), dtype=torch.float64).to(self.device)
-        else:
-            message = torch.empty(_MESSAGE_LEN, dtype=torch.float64, device=self.device)
-        dist.broadcast(message, self.source, group=self.group)
-        if not self.is_source:
-            values = message.tolist()
-            loss, flags, count = values[0], int(values[1]), int(values[2])
-            numbers = values[3:3 + min(count, _INLINE)]
-        if count > _INLINE:
-            more = (torch.tensor(numbers[_INLINE:], dtype=torch.float64).to(self.device) if self.is_source
-                    else torch.empty(count - _INLINE, dtype=torch.float64, device=self.device))
-            dist.broadcast(more, self.source, group=self.group)
-            if not self.is_source:
-                numbers += more.tolist()
-        if flags:
-            box = [(layout if flags & _LAYOUT else None, rest)]
-            dist.broadcast_object_list(box, src=self.source, group=self.group)
-            sent_layout, rest = box[0]
-            if sent_layout is not None:
-                layout = sent_layout
-        self._layout = layout
-        return math.nan if loss is None else loss, join_records(layout, numbers), rest if flags & _REST else None
