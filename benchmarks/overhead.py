@@ -26,10 +26,12 @@ way, by the blocks themselves. Per step and stage:
   forwards, ``m`` backwards): everything beyond compute and the schedule's own bubble (the transfers, the runtime's
   Python, the result exchange, the optimizer step and the loop around it), per compute action. Reported: the median
   over steps after the warm-up. Both runners are timed by this one definition.
-- **monitor idle per action** (lightning_pp only): ``pipeline/stage{s}/framework_us_per_action`` of
-  ``PipelineMonitor`` (``idle_ms``, the gaps between the stage's timed actions from its first to its last, the
-  runtime's own overhead, divided by its ``2 m`` compute actions), median over a separate run that times every step;
-  and that run's ``step_ms`` against the simulator's step from the monitor's measured action costs.
+- **idle per action**: the issue's measure of the framework, the gaps between a stage's timed intervals from its
+  first to its last, divided by its ``2 m`` compute actions; median over a separate run of ``--monitor-steps``
+  steps. lightning_pp: ``pipeline/stage{s}/framework_us_per_action`` of ``PipelineMonitor`` (the runtime's own
+  overhead between its actions), and that run's ``step_ms`` against the simulator's step from the monitor's measured
+  action costs. torch.distributed.pipelining, timed the same way by wrapping its calls: every forward chunk (with the
+  last stage's loss), backward chunk, posting of P2P operations and wait for them is an interval.
 
 ``--profile DIR`` also runs every timed step of the pipelined runners under cProfile and writes one ``.prof`` file
 and a text summary (top functions by own and cumulative time) per rank into ``DIR``.
@@ -39,6 +41,7 @@ from __future__ import annotations
 
 import argparse
 import cProfile
+import functools
 import io
 import json
 import os
@@ -168,6 +171,45 @@ class Profiler:
         Path(self.out, f"{self.name}.txt").write_text(text.getvalue())
 
 
+def torch_idle_per_action(run: dict[str, Any], stage: Any, schedule: Any, step: Any) -> list[float]:
+    """torch.distributed.pipelining timed as PipelineMonitor times lightning_pp, for ``run["monitor_steps"]`` calls of
+    ``step``: every forward chunk (with the last stage's loss), backward chunk, posting of P2P ops and wait for them is
+    an interval; a step's idle time is the stage's span (its first interval's start to its last one's end) minus the
+    intervals, per compute action (µs)."""
+    import torch.distributed.pipelining.schedules as schedules
+
+    intervals: list[tuple[float, float]] = []
+
+    def timed(fn: Any) -> Any:
+        @functools.wraps(fn)
+        def wrapper(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return fn(*args, **kwargs)
+            finally:
+                intervals.append((start, time.perf_counter()))
+        return wrapper
+
+    originals = {name: getattr(schedules, name) for name in ("_batch_p2p", "_wait_batch_p2p")}
+    for name, fn in originals.items():
+        setattr(schedules, name, timed(fn))
+    stage.forward_one_chunk = timed(stage.forward_one_chunk)
+    stage.backward_one_chunk = timed(stage.backward_one_chunk)
+    schedule._maybe_compute_loss = timed(schedule._maybe_compute_loss)
+    idle = []
+    try:
+        for _ in range(run["monitor_steps"]):
+            intervals.clear()
+            step()
+            span = max(end for _, end in intervals) - min(start for start, _ in intervals)
+            idle.append(1e6 * max(0.0, span - sum(end - start for start, end in intervals)) / (2 * run["microbatches"]))
+    finally:
+        for name, fn in originals.items():
+            setattr(schedules, name, fn)
+        del stage.forward_one_chunk, stage.backward_one_chunk, schedule._maybe_compute_loss
+    return idle
+
+
 def worker_torch(run: dict[str, Any], rank: int) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
@@ -183,11 +225,9 @@ def worker_torch(run: dict[str, Any], rank: int) -> dict[str, Any]:
     opt = torch.optim.SGD(part.parameters(), lr=0.01)
     log = StepLog()
     profiler = Profiler(run.get("profile"), f"torch_{run['model']}_{run['schedule']}_rank{rank}")
-    batches = iter(make_loader(run, run["steps"] + 1))
-    for i in range(run["steps"] + 1):
-        if i == run["warmup"]:
-            profiler.start()
-        log.mark()
+    batches = iter(make_loader(run, run["steps"] + 1 + run["monitor_steps"]))
+
+    def step() -> None:
         x, y = next(batches)
         if rank == 0:
             schedule.step(x)
@@ -197,9 +237,15 @@ def worker_torch(run: dict[str, Any], rank: int) -> dict[str, Any]:
             schedule.step()
         opt.step()
         opt.zero_grad()
+
+    for i in range(run["steps"] + 1):
+        if i == run["warmup"]:
+            profiler.start()
+        log.mark()
+        step()
     log.mark()
     profiler.stop()
-    return {"steps": log.steps()}
+    return {"steps": log.steps(), "idle_per_action_us": torch_idle_per_action(run, stage, schedule, step)}
 
 
 def worker_lightning(run: dict[str, Any], rank: int) -> dict[str, Any]:
@@ -327,6 +373,8 @@ def summarize_run(run: dict[str, Any], per_rank: list[dict[str, Any] | None]) ->
     monitor = monitor_figures(ranks[0].get("history", [])[1:], p)  # the first measured step warms up
     if monitor:
         out["monitor"] = monitor
+    if all("idle_per_action_us" in r for r in ranks):  # torch.distributed.pipelining, timed like the monitor
+        out["monitor"] = {"idle_per_action_us": [statistics.median(r["idle_per_action_us"][1:]) for r in ranks]}
     return out
 
 
@@ -335,7 +383,7 @@ def markdown(rows: list[dict[str, Any]]) -> str:
         return " / ".join(f"{v:.0f}" for v in values) if values else "n/a"
 
     lines = ["| model, schedule, p, m | runner | step window ms | predicted ms | framework µs / action (per stage) "
-             "| monitor idle µs / action (per stage) | monitor step ms (predicted) |",
+             "| idle µs / action (per stage) | monitor step ms (predicted) |",
              "|---|---|---|---|---|---|---|"]
     for row in rows:
         s = row["summary"]
@@ -344,7 +392,8 @@ def markdown(rows: list[dict[str, Any]]) -> str:
             lines.append(f"| {config} | {RUNNERS[row['runner']]} | failed | | | | |")
             continue
         monitor = s.get("monitor")
-        step = f"{monitor['step_ms']:.2f} ({monitor['predicted_ms']:.2f})" if monitor else "n/a"
+        timed = monitor is not None and "step_ms" in monitor
+        step = f"{monitor['step_ms']:.2f} ({monitor['predicted_ms']:.2f})" if timed else "n/a"
         lines.append(
             f"| {config} | {RUNNERS[row['runner']]} | {s['window_ms']:.2f} | {s['predicted_ms']:.2f} "
             f"| {us(s['framework_per_action_us'])} | {us(monitor['idle_per_action_us']) if monitor else 'n/a'} "
