@@ -16,8 +16,8 @@ from lightning_pp.errors import PipelineConfigError
 __all__ = ["Layout", "Spec", "decode_spec", "encode_spec", "flatten", "map_tensors", "pack", "packed_size", "unflatten",
            "unpack"]
 
-# {"T": i}: the i-th tensor; {"V": x}: a plain value (None, bool, int, float, str); {"tuple"|"list": [...]};
-# {"dict": [[key, spec], ...]}
+# {"T": i}: the i-th tensor; {"N": [i, j]}: a nested tensor, padded as the i-th tensor with its sizes as the j-th;
+# {"V": x}: a plain value (None, bool, int, float, str); {"tuple"|"list": [...]}; {"dict": [[key, spec], ...]}
 Spec = dict[str, Any]
 _PLAIN = (type(None), bool, int, float, str)
 # (dtype, shape) of each tensor in a packed buffer
@@ -30,6 +30,8 @@ def flatten(obj: Any) -> tuple[list[torch.Tensor], Spec]:
     tensors: list[torch.Tensor] = []
 
     def walk(value: Any) -> Spec:
+        if isinstance(value, torch.Tensor) and value.is_nested:
+            return walk_nested(value)
         if isinstance(value, torch.Tensor):
             tensors.append(value)
             return {"T": len(tensors) - 1}
@@ -45,6 +47,19 @@ def flatten(obj: Any) -> tuple[list[torch.Tensor], Spec]:
             f"and strings."
         )
 
+    def walk_nested(value: torch.Tensor) -> Spec:
+        # PyTorch's nn.TransformerEncoder runs its layers on a nested tensor in evaluation (its fast path): it travels
+        # padded, with each sequence's size
+        if value.requires_grad:
+            raise PipelineConfigError(
+                "A block handed the next block a nested tensor that requires gradients, which cannot cross pipeline "
+                "stages. Nested tensors can cross only without gradients (in evaluation); in training, hand on a "
+                "padded tensor and a mask."
+            )
+        sizes = torch.tensor([list(t.shape) for t in value.unbind()], dtype=torch.int64, device=value.device)
+        tensors.extend([value.to_padded_tensor(0), sizes])
+        return {"N": [len(tensors) - 2, len(tensors) - 1]}
+
     return tensors, walk(obj)
 
 
@@ -52,6 +67,10 @@ def unflatten(spec: Spec, tensors: list[torch.Tensor]) -> Any:
     """Rebuild what :func:`flatten` took apart, with ``tensors`` in place of the original ones."""
     if "T" in spec:
         return tensors[spec["T"]]
+    if "N" in spec:
+        padded, sizes = (tensors[i] for i in spec["N"])
+        return torch.nested.nested_tensor([padded[b][tuple(slice(0, n) for n in size)]
+                                           for b, size in enumerate(sizes.tolist())])
     if "V" in spec:
         return spec["V"]
     if "tuple" in spec:

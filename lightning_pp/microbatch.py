@@ -66,13 +66,15 @@ def split_batch(batch: Any, num_microbatches: int) -> tuple[list[Any], list[int]
 def merge_microbatches(outputs: list[Any], sizes: list[int]) -> Any:
     """Combine per-micro-batch step outputs into what one step over the whole batch returns.
 
-    Tensors whose first dimension is the micro-batch size are concatenated; scalar tensors are averaged weighted by
-    micro-batch size (a batch mean); dicts, lists and tuples are merged element-wise; anything else is taken from the
-    first micro-batch.
+    Tensors whose first dimension is the micro-batch size are concatenated (nested tensors too); scalar tensors are
+    averaged weighted by micro-batch size (a batch mean); dicts, lists and tuples are merged element-wise; anything else
+    is taken from the first micro-batch.
     """
     first = outputs[0]
     if first is None:
         return None
+    if isinstance(first, torch.Tensor) and first.is_nested:  # one nested tensor of every micro-batch's sequences
+        return torch.nested.as_nested_tensor([t for o in outputs for t in o.unbind()])
     if isinstance(first, torch.Tensor):
         if first.dim() > 0 and all(o.shape[0] == n for o, n in zip(outputs, sizes, strict=True)):
             return torch.cat(outputs)

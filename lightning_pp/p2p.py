@@ -142,7 +142,7 @@ class StageP2P:
 
     def send(self, obj: Any, action: Action) -> None:
         """Post ``obj`` to ``action.peer``; what is sent stays referenced until the send has completed."""
-        if isinstance(obj, torch.Tensor):  # the common case, without walking a structure
+        if isinstance(obj, torch.Tensor) and not obj.is_nested:  # the common case, without walking a structure
             tensors, spec = [obj], _TENSOR_SPEC
         else:
             tensors, spec = flatten(obj)

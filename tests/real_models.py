@@ -561,6 +561,71 @@ class InplaceFeatures(L.LightningModule):
         return feature_batches(seed=8)
 
 
+# ------------------------------------------------------------------------- 9. PyTorch's own nn.TransformerEncoder
+def padded_batches(batches: int = 4, seed: int = 0) -> DataLoader:
+    """``token_batches`` sequences padded with token 0 after a random length (4 to SEQ_LEN), and a class per row."""
+    (tokens,) = token_batches(batches, seed).dataset.tensors  # type: ignore[attr-defined]
+    generator = torch.Generator().manual_seed(seed + 1)
+    lengths = torch.randint(4, SEQ_LEN + 1, (len(tokens), 1), generator=generator)
+    tokens = torch.where(torch.arange(SEQ_LEN) < lengths, tokens.clamp(min=1), 0)
+    return DataLoader(TensorDataset(tokens, tokens[:, 1] % 5), batch_size=BATCH_SIZE, shuffle=False)
+
+
+class TorchEncoderClassifier(L.LightningModule):
+    """``nn.TransformerEncoder`` (its layers in ``encoder.layers``, looped by PyTorch) over padded sequences with a
+    ``src_key_padding_mask``, mean-pooled. In evaluation PyTorch takes its fast path: the first layer's settings and
+    weights decide it, and the layers run on a nested tensor built from the mask. ``causal``: a language model
+    instead, ``norm_first`` layers under a causal mask."""
+
+    def __init__(self, causal: bool = False) -> None:
+        super().__init__()
+        self.causal = causal
+        self.token = nn.Embedding(VOCAB, 32, padding_idx=0)
+        self.position = nn.Parameter(torch.randn(1, SEQ_LEN, 32) * 0.02)
+        layer = nn.TransformerEncoderLayer(32, nhead=4, dim_feedforward=64, dropout=0.0, batch_first=True,
+                                           norm_first=causal)
+        self.encoder = nn.TransformerEncoder(layer, num_layers=4)
+        self.head = nn.Linear(32, VOCAB if causal else 5)
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.token(tokens) + self.position
+        if self.causal:
+            mask = nn.Transformer.generate_square_subsequent_mask(SEQ_LEN)
+            return self.head(self.encoder(x, mask=mask, is_causal=True))
+        padding = tokens == 0
+        hidden = self.encoder(x, src_key_padding_mask=padding)
+        keep = (~padding).unsqueeze(-1).float()
+        return self.head((hidden * keep).sum(1) / keep.sum(1))
+
+    def loss(self, batch: Any) -> torch.Tensor:
+        tokens, label = batch
+        return next_token_loss(self(tokens), tokens) if self.causal else F.cross_entropy(self(tokens), label)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.loss(batch)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        loss = self.loss(batch)
+        self.log("val_loss", loss)
+        self.log("val_ppl", torch.exp(loss))
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0])
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        return padded_batches(seed=9)
+
+    def val_dataloader(self) -> DataLoader:
+        return padded_batches(batches=2, seed=10)
+
+    predict_dataloader = val_dataloader
+
+
 # --------------------------------------------------------------------------------------------- the runs compared
 @dataclass(frozen=True)
 class Spec:
@@ -571,6 +636,7 @@ class Spec:
     max_epochs: int = -1
     validate: bool = False  # validate every epoch and keep the best two checkpoints by val_ppl
     finetune: bool = False  # BackboneFinetuning, unfreezing at epoch 1
+    predict: bool = False  # after fit, predict on the validation batches
 
 
 SPECS: dict[str, Spec] = {
@@ -587,6 +653,8 @@ SPECS: dict[str, Spec] = {
     "finetune": Spec(FinetuneLM, max_steps=-1, max_epochs=3, finetune=True),
     "sliced": Spec(SlicedDecoder),
     "inplace": Spec(InplaceFeatures),
+    "torch_encoder": Spec(TorchEncoderClassifier, max_steps=-1, max_epochs=3, validate=True, predict=True),
+    "torch_causal": Spec(lambda: TorchEncoderClassifier(causal=True), max_steps=-1, max_epochs=3, validate=True),
 }
 MODELS.update({name: spec.build for name, spec in SPECS.items()})
 
@@ -626,6 +694,8 @@ def run(name: str, strategy: Any = "auto", devices: int = 1, dirpath: str | None
             "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
             "drawn": list(getattr(module, "drawn", [])),
         }
+        if spec.predict:
+            result["predictions"] = torch.cat(trainer.predict(module))  # type: ignore[arg-type]
         if checkpoint is not None:
             assert checkpoint.best_model_score is not None
             result["best_score"] = float(checkpoint.best_model_score)

@@ -106,14 +106,17 @@ def test_two_stages_in_one_process_equal_the_whole_model() -> None:
         last(torch.tensor([[1, 2, 3]]))  # outside a pipelined step
 
 
-def test_stand_in_attribute_error_names_the_stage() -> None:
+def test_stand_in_reads_the_blocks_metadata_and_names_the_stage_otherwise() -> None:
+    """A model's loop may read its blocks' settings and weights' metadata (``nn.TransformerEncoder`` does): a stand-in
+    answers from a meta-device twin, holding no weights itself."""
     model = NanoStyle()
     StageView("transformer.h", model.transformer["h"], [1], [range(0, 2), range(2, 4)])
     stand_in = model.blocks[0]
     assert stand_in.attention_type == "causal"
-    assert not hasattr(stand_in, "linear")
+    assert stand_in.linear.weight.is_meta and stand_in.linear.weight.shape == model.blocks[2].linear.weight.shape
+    assert list(stand_in.parameters()) == [] and list(stand_in.buffers()) == []
     with pytest.raises(AttributeError, match=r"Block 0 of `transformer.h` \(Block\) is held by pipeline stage 0"):
-        _ = stand_in.linear
+        _ = stand_in.no_such_attribute
 
 
 def test_in_place_first_block_gets_a_fresh_tensor() -> None:
@@ -135,6 +138,23 @@ def test_structures_round_trip(obj: Any) -> None:
     tensors, spec = flatten(obj)
     rebuilt = unflatten(decode_spec(encode_spec(spec)), tensors)
     assert repr(rebuilt) == repr(obj)
+
+
+def test_nested_tensors_cross_padded_and_merge_over_microbatches() -> None:
+    """What PyTorch's nn.TransformerEncoder hands from layer to layer in evaluation: a nested tensor of sequences of
+    different lengths. It travels as a padded tensor and the sizes; micro-batches' nested outputs join into one."""
+    from lightning_pp.microbatch import merge_microbatches
+
+    nested = torch.nested.nested_tensor([torch.randn(3, 4), torch.randn(1, 4)])
+    tensors, spec = flatten({"h": nested})
+    assert [t.shape for t in tensors] == [(2, 3, 4), (2, 2)]
+    rebuilt = unflatten(decode_spec(encode_spec(spec)), tensors)["h"]
+    assert rebuilt.is_nested and all(torch.equal(a, b) for a, b in zip(rebuilt.unbind(), nested.unbind(), strict=True))
+    more = torch.nested.nested_tensor([torch.randn(2, 4)])
+    joined = merge_microbatches([nested, more], [2, 1])
+    assert [t.shape[0] for t in joined.unbind()] == [3, 1, 2]
+    with pytest.raises(PipelineConfigError, match="nested tensor that requires gradients"):
+        flatten(torch.nested.nested_tensor([torch.randn(2, 4)], requires_grad=True))
 
 
 def test_unsupported_structure_is_our_error() -> None:

@@ -341,3 +341,33 @@ def test_shared_randomness_whole_batch_metrics_and_unfreezing(world_size: int, t
             job("finetune", schedule="1f1b", microbatches=m)]
     checks = [identity_denoiser(m), trainable_denoiser(m), perplexity_and_checkpoints, backbone_finetuning]
     check_all(world_size, runs, checks, timeout=180 if world_size == 2 else 240)
+
+
+def validated_and_predicted(model: str) -> Callable[[list[Result], str], None]:
+    """Training, the validation metrics, the checkpoint decisions and (when the run predicts) every rank's
+    predictions as on one device."""
+
+    def check(results: list[Result], label: str) -> None:
+        want = reference(model)
+        compare(results, want, label, params=True)
+        for key in ("val_loss", "val_ppl"):
+            check_logged(results[0]["history"], want["history"], key, rel_tol=METRIC_RTOL)
+        assert results[0]["best_path"] == want["best_path"], "best_model_path"
+        for rank, result in enumerate(results):
+            if "predictions" in want:
+                torch.testing.assert_close(result["predictions"], want["predictions"], rtol=RTOL, atol=ATOL,
+                                           msg=prefixed(f"{label}: rank {rank}'s predictions"))
+
+    return check
+
+
+@pytest.mark.timeout(420)
+@pytest.mark.parametrize("world_size", [2, 4])
+def test_pytorch_transformer_encoder(world_size: int, tmp_path: Path) -> None:
+    """PyTorch's ``nn.TransformerEncoder``, unmodified: its loop reads the first layer's attributes (a stand-in on
+    later stages), and in validation and predict it runs the layers on nested tensors built from the padding mask,
+    which then cross stages. Also a causal language model on ``norm_first`` layers."""
+    runs = [job("torch_encoder", schedule="1f1b", microbatches=world_size, dirpath=str(tmp_path / "encoder")),
+            job("torch_causal", schedule="gpipe", microbatches=world_size, dirpath=str(tmp_path / "causal"))]
+    check_all(world_size, runs, [validated_and_predicted("torch_encoder"), validated_and_predicted("torch_causal")],
+              timeout=180 if world_size == 2 else 240)

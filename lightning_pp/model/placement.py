@@ -21,7 +21,6 @@ everywhere. ``restore`` puts every weight back on every rank, from a rank that h
 
 from __future__ import annotations
 
-import copy
 import math
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -35,6 +34,7 @@ from torch.utils.hooks import RemovableHandle
 
 from lightning_pp import _compat
 from lightning_pp.errors import PipelineConfigError
+from lightning_pp.model.stage import meta_twin
 
 __all__ = ["WeightPlacement"]
 
@@ -176,16 +176,6 @@ class _Unused(nn.Module):
         return f"{kind} held by pipeline rank(s) {list(holders)}" + (", shape-only stand-in" if twin else "")
 
 
-def _meta_twin(module: nn.Module) -> nn.Module:
-    """A copy of ``module`` whose weights and buffers live on the meta device (nothing real is copied)."""
-    memo: dict[int, Any] = {}
-    for p in module.parameters():
-        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
-    for b in module.buffers():
-        memo[id(b)] = torch.empty_like(b, device="meta")
-    return copy.deepcopy(module, memo)
-
-
 class WeightPlacement:
     """Where each weight outside the blocks of one split module is held (see the module doc).
 
@@ -313,7 +303,7 @@ class WeightPlacement:
                 try:
                     args, kwargs = observation.meta_inputs[key]
                     with torch.no_grad():
-                        _meta_twin(holder.module)(*args, **kwargs)
+                        meta_twin(holder.module)(*args, **kwargs)
                 except Exception as error:  # any failure means it cannot be stood in for
                     why = f"it does not run on the meta device ({type(error).__name__}: {error})"
             if why is None:
@@ -327,7 +317,7 @@ class WeightPlacement:
         ids = {id(p) for p in released}
         modules = {id(h.module): h for p in released for h in self._holders[id(p)] if id(h.module) in replaceable}
         for key, holder in modules.items():
-            twin = _meta_twin(holder.module) if key in observation.called else None
+            twin = meta_twin(holder.module) if key in observation.called else None
             holders = sorted(set().union(*(self.users[id(p)] for p in holder.module.parameters())))
             stand_in = _Unused(holder.path, holder.module, twin, observation.output_dtypes.get(key), self.position,
                                holders)

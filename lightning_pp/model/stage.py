@@ -15,6 +15,7 @@ Sequential, loops, enumerates, slices or takes ``len()``, and state-dict keys ke
 
 from __future__ import annotations
 
+import copy
 import enum
 import functools
 from collections.abc import Callable, Iterator, Sequence
@@ -29,7 +30,7 @@ from lightning_pp import _compat
 from lightning_pp._tree import map_tensors
 from lightning_pp.errors import PipelineConfigError
 
-__all__ = ["Mode", "StageOutput", "StageView"]
+__all__ = ["Mode", "StageOutput", "StageView", "meta_twin"]
 
 
 class StageOutput(BaseException):  # a control-flow signal, not an error
@@ -49,33 +50,53 @@ class Mode(enum.Enum):
     FINISH = "finish"  # evaluation on the last stage: every block returns the joined output of all micro-batches
 
 
+def meta_twin(module: nn.Module) -> nn.Module:
+    """A copy of ``module`` whose weights, buffers and other tensor attributes live on the meta device (nothing real
+    is copied): the module's structure and metadata without its memory."""
+    memo: dict[int, Any] = {}
+    for p in module.parameters():
+        memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
+    for b in module.buffers():
+        memo[id(b)] = torch.empty_like(b, device="meta")
+    for m in module.modules():
+        for value in vars(m).values():
+            if isinstance(value, torch.Tensor) and id(value) not in memo:
+                memo[id(value)] = torch.empty_like(value, device="meta")
+    return copy.deepcopy(module, memo)
+
+
 class _StandIn(nn.Module):
-    """Takes the place of a block held by another stage: no weights, the block's plain attributes, no compute."""
+    """Takes the place of a block held by another stage: no weights, no compute. Reading an attribute reads it from a
+    meta-device twin of the block (its submodules, settings, and weights as meta tensors), because a model's loop may
+    inspect its blocks: PyTorch's ``nn.TransformerEncoder`` reads ``layers[0].self_attn.batch_first`` and the first
+    layer's weights to choose its fast path, Hugging Face decoders a layer's ``attention_type``."""
 
     def __init__(self, block: nn.Module, index: int, owner: int, view: StageView) -> None:
         super().__init__()
-        for key, value in vars(block).items():  # e.g. a decoder layer's `attention_type`, read by the model's loop
-            # plain values only: a forward set on the instance (a hook library's) must not run the real block here
-            if not key.startswith("_") and key != "training" and not callable(value):
-                self.__dict__[key] = value
-        self.__dict__["_pipeline"] = (view, index, owner, type(block).__name__)
+        try:
+            twin: nn.Module | None = meta_twin(block)
+        except Exception:  # a block that cannot be copied (it holds a lock, say): its attributes are not readable
+            twin = None
+        self.__dict__["_pipeline"] = (view, index, owner, type(block).__name__, twin)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        view, index, owner, _ = self.__dict__["_pipeline"]
+        view, index, owner, _, _ = self.__dict__["_pipeline"]
         return view.stand_in_output(index, owner)
 
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
-            view, index, owner, block_type = self.__dict__["_pipeline"]
+            view, index, owner, block_type, twin = self.__dict__["_pipeline"]
+            if twin is not None and name != "forward" and hasattr(twin, name):
+                return getattr(twin, name)
             raise AttributeError(
                 f"Block {index} of `{view.container_name}` ({block_type}) is held by pipeline stage {owner}; this is "
                 f"stage {view.stage}, where it is a weightless stand-in without `{name}`."
             ) from None
 
     def extra_repr(self) -> str:
-        _, _, owner, block_type = self.__dict__["_pipeline"]
+        _, _, owner, block_type, _ = self.__dict__["_pipeline"]
         return f"{block_type} on stage {owner}"
 
 
@@ -219,4 +240,6 @@ class StageView:
 
     def _swap(self, keys: list[str], to_stand_ins: bool) -> None:
         for key in keys:
+            if to_stand_ins:  # in train or eval mode as the block is (the model may read it: `layers[0].training`)
+                self._stand_ins[key].train(self._local_blocks[key].training)
             self.container.register_module(key, self._stand_ins[key] if to_stand_ins else self._local_blocks[key])
