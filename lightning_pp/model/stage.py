@@ -52,16 +52,18 @@ class Mode(enum.Enum):
 
 def meta_twin(module: nn.Module) -> nn.Module:
     """A copy of ``module`` whose weights, buffers and other tensor attributes live on the meta device (nothing real
-    is copied): the module's structure and metadata without its memory."""
+    is copied): the module's structure and metadata without its memory, and without its hooks."""
     memo: dict[int, Any] = {}
     for p in module.parameters():
         memo[id(p)] = nn.Parameter(torch.empty_like(p, device="meta"), requires_grad=p.requires_grad)
     for b in module.buffers():
         memo[id(b)] = torch.empty_like(b, device="meta")
     for m in module.modules():
-        for value in vars(m).values():
+        for name, value in vars(m).items():
             if isinstance(value, torch.Tensor) and id(value) not in memo:
                 memo[id(value)] = torch.empty_like(value, device="meta")
+            elif name.endswith("hooks") and isinstance(value, dict):  # a hook's closure may hold anything: not copied
+                memo[id(value)] = type(value)()
     return copy.deepcopy(module, memo)
 
 
