@@ -75,8 +75,7 @@ def outputs_read(trainer: pl.Trainer, step_name: str) -> bool:
 
 
 class _Slot:
-    """A tensor of the outputs in their sent structure: its data is the next one in the packed buffer. (Not a
-    dataclass: Lightning's collection functions would try to rebuild it.)"""
+    """A tensor of the outputs in their sent structure: its data is the next one in the packed buffer."""
 
     __slots__ = ("dtype", "shape")
 
