@@ -304,6 +304,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._num_nodes = 1
         self._partition: Partition | None = None
         self._driver: StepDriver | None = None
+        self._hidden_example_input: Any = None  # the module's example_input_array while fit starts (see setup)
         self._grads: PipelineGradients | None = None
         self._p2p: StageP2P | None = None
         self._groups: StageGroups | None = None
@@ -456,6 +457,14 @@ class PipelineParallelStrategy(ParallelStrategy):
                 f"PipelineParallelStrategy does not support: the schedule runs forward and backward itself. Use "
                 f"automatic optimization, where Lightning calls the optimizers after the pipelined step."
             )
+        if trainer.state.fn == TrainerFn.FITTING and self.num_stages > 1 and module.example_input_array is not None:
+            # Lightning's model summary (and a logger's graph) run the module on it when fit starts, outside the
+            # pipelined step, where the other stages' blocks cannot run: hidden until training starts
+            self._hidden_example_input = module.example_input_array
+            module.example_input_array = None
+            if self.global_rank == 0:
+                log.info("example_input_array is set aside until training starts: the model summary is shown without "
+                         "input and output sizes (a pipeline cannot run the whole model outside its steps).")
         schedule = self._schedule(self.microbatches, forward_only=False)  # raises for a count it cannot run
         fresh = not is_split(module)  # a later run on the same module keeps what the earlier one trained
         partition = self._partition = split_module(module, self._blocks_name, self._balance_for(trainer, module),
@@ -664,7 +673,13 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     @override
     def on_train_start(self) -> None:
+        self._restore_example_input()
         self._decide_outputs("training_step")
+
+    def _restore_example_input(self) -> None:
+        if self._hidden_example_input is not None and self.lightning_module is not None:
+            self.lightning_module.example_input_array = self._hidden_example_input
+            self._hidden_example_input = None
 
     @override
     def on_validation_start(self) -> None:
@@ -968,6 +983,7 @@ class PipelineParallelStrategy(ParallelStrategy):
             self._failures.stop()
             self._failures = None
         self._log_recorder.detach()
+        self._restore_example_input()
         super().teardown()
 
 

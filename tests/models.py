@@ -608,6 +608,17 @@ class LoadWeightsEachStep(L.Callback):
                 parameter.copy_(wanted[name])
 
 
+class WithExampleInput(MLPClassifier):
+    """Lightning tutorials' habit: ``example_input_array`` set, which the model summary runs the module on."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.example_input_array = torch.zeros(2, 10)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        assert self.example_input_array is not None, "example_input_array was not given back when training started"
+
+
 class MLPClassifierSGD(MLPClassifier):
     """The MLP with SGD (momentum, weight decay, StepLR): updates proportional to gradients, so fp32 summation-order
     noise stays at noise level in the parameters and they can be compared element-wise after training."""
@@ -640,6 +651,7 @@ class TiedClassifierSGD(L.LightningModule):
 
 
 MODELS["mlp_sgd"] = MLPClassifierSGD
+MODELS["example_input"] = WithExampleInput
 MODELS["tied_sgd"] = TiedClassifierSGD
 
 

@@ -113,7 +113,9 @@ def test_stand_in_reads_the_blocks_metadata_and_names_the_stage_otherwise() -> N
     StageView("transformer.h", model.transformer["h"], [1], [range(0, 2), range(2, 4)])
     stand_in = model.blocks[0]
     assert stand_in.attention_type == "causal"
-    assert stand_in.linear.weight.is_meta and stand_in.linear.weight.shape == model.blocks[2].linear.weight.shape
+    twin, real = stand_in.linear, model.blocks[2].linear
+    assert isinstance(twin, nn.Linear) and isinstance(real, nn.Linear)
+    assert twin.weight.is_meta and twin.weight.shape == real.weight.shape
     assert list(stand_in.parameters()) == [] and list(stand_in.buffers()) == []
     with pytest.raises(AttributeError, match=r"Block 0 of `transformer.h` \(Block\) is held by pipeline stage 0"):
         _ = stand_in.no_such_attribute

@@ -159,18 +159,20 @@ def test_every_schedule_matches_single_device(world_size: int) -> None:
 
 def test_balance_accumulation_uneven_batches_and_frozen_layers() -> None:
     """A custom balance, accumulate_grad_batches=2, a batch of 7 split into 2 micro-batches of 4 and 3, a first
-    stage whose weights are all frozen, and an input projection unfrozen after two steps (placed then: it leaves the
-    last stage, which computed it only to have it replaced by the received activation)."""
+    stage whose weights are all frozen, an input projection unfrozen after two steps (placed then: it leaves the
+    last stage, which computed it only to have it replaced by the received activation), and a module with an
+    ``example_input_array`` under Lightning's model summary (which would run the whole module outside the step)."""
     runs = [
         pipelined("mlp", schedule="1f1b", microbatches=2, balance=[2, 6]),
         pipelined("mlp", schedule="gpipe", microbatches=2, trainer={"accumulate_grad_batches": 2}),
         pipelined("mlp", schedule="1f1b", microbatches=2, batch_size=7),
         pipelined("frozen_front", schedule="1f1b", microbatches=2),
         pipelined("unfreezes_front", schedule="1f1b", microbatches=2),
+        pipelined("example_input", schedule="1f1b", microbatches=2, trainer={"enable_model_summary": True}),
     ]
     ranks = launch(2, runs, timeout=300)
     expected = [reference("mlp"), reference("mlp", accumulate_grad_batches=2), reference("mlp", batch_size=7),
-                reference("frozen_front"), reference("unfreezes_front")]
+                reference("frozen_front"), reference("unfreezes_front"), reference("mlp")]
     for index, run in enumerate(runs):
         assert_trains_like(ranks, index, run, expected[index], str(run["kwargs"]))
     assert sorted(k for k in ranks[0].results[0]["state"] if k.startswith("layers.")) == [

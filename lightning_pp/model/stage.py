@@ -182,9 +182,9 @@ class StageView:
                 f"Block {index} of `{self.container_name}` is held by pipeline stage {owner} (this is stage "
                 f"{self.stage}): the blocks can only run inside a pipelined training, validation, test or predict "
                 f"step, not from other hooks (such as on_validation_epoch_end or a sample generation callback). "
-                f"Compute what you need inside the step and log it. (Lightning's model summary also runs a forward "
-                f"pass when the module sets `example_input_array`: pass Trainer(enable_model_summary=False) or leave "
-                f"`example_input_array` unset.)"
+                f"Compute what you need inside the step and log it. (Where the module sets `example_input_array`, "
+                f"the pass Lightning's model summary makes on it when fit starts is skipped for you; other code "
+                f"running the module on it, such as `to_onnx`, cannot run pipelined.)"
             )
         if self._received is None:
             raise PipelineConfigError(
