@@ -88,10 +88,14 @@ class _Slot:
     __hash__ = None  # type: ignore[assignment]
 
 
-def _structure(outputs: Any) -> tuple[Any, list[Tensor]]:
-    """``outputs`` with each dense tensor replaced by a :class:`_Slot`, and those tensors in order. Other tensors
-    (sparse, subclasses) stay in the structure, on the CPU, and travel pickled, as do objects the structure does not
-    look into (a dataclass and what it holds)."""
+# the outputs' structure, flattened: their leaves (a _Slot for each packed tensor) and the rest's description
+_Flat = tuple[list[Any], Any]
+
+
+def _structure(outputs: Any) -> tuple[_Flat, list[Tensor]]:
+    """``outputs`` flattened, with each dense tensor replaced by a :class:`_Slot`, and those tensors in order. Other
+    tensors (sparse, subclasses) stay in the structure, on the CPU, and travel pickled, as do objects the structure
+    does not look into (a dataclass and what it holds)."""
     tensors: list[Tensor] = []
 
     def place(leaf: Any) -> Any:
@@ -103,14 +107,13 @@ def _structure(outputs: Any) -> tuple[Any, list[Tensor]]:
         return leaf.detach().cpu()
 
     leaves, spec = tree_flatten(outputs)
-    return tree_unflatten([place(leaf) for leaf in leaves], spec), tensors
+    return ([place(leaf) for leaf in leaves], spec), tensors
 
 
-def _same(structure: Any, previous: Any) -> bool:
+def _same(structure: _Flat, previous: _Flat) -> bool:
     """Whether ``structure`` is ``previous`` again: the same containers, slots and plain values (of the same types).
     Anything else (an array, an object) counts as changed, so it is sent."""
-    leaves, spec = tree_flatten(structure)
-    previous_leaves, previous_spec = tree_flatten(previous)
+    (leaves, spec), (previous_leaves, previous_spec) = structure, previous
     return spec == previous_spec and all(
         type(a) is type(b) and isinstance(a, (_Slot, *_PLAIN)) and a == b
         for a, b in zip(leaves, previous_leaves, strict=True)
@@ -127,7 +130,7 @@ class ResultExchange:
         self.device = torch.device("cpu") if dist.get_backend(self.group) == "gloo" else device
         # the previous step's record layout and output structure, the same on every stage
         self._layout: list[RecordLayout] = []
-        self._structure: Any = None
+        self._structure: _Flat | None = None
 
     def agree(self, wanted: bool) -> bool:
         """Whether any stage of the pipeline wants something (every stage calls this)."""
@@ -141,7 +144,7 @@ class ResultExchange:
         elsewhere the arguments are ignored (but ``send_outputs`` must be the same on every stage). Returns what
         the source sent, on every stage: the outputs are ``None`` where they were not sent."""
         layout, numbers = split_records(records) if self.is_source else (self._layout, [])
-        structure: Any = None
+        structure: _Flat | None = None
         tensors: list[Tensor] = []
         if self.is_source:
             flags = _LAYOUT if layout != self._layout else 0
@@ -166,13 +169,15 @@ class ResultExchange:
             if not self.is_source:
                 numbers += more.tolist()
         if flags & (_LAYOUT | _STRUCTURE):
-            box = [(layout if flags & _LAYOUT else None, structure if flags & _STRUCTURE else None)]
+            # the structure travels rebuilt, not flattened: unpickling a flattened description warns
+            rebuilt = tree_unflatten(*structure) if structure is not None and flags & _STRUCTURE else None
+            box = [(layout if flags & _LAYOUT else None, rebuilt)]
             dist.broadcast_object_list(box, src=self.source, group=self.group)
             sent_layout, sent_structure = box[0]
             if sent_layout is not None:
                 layout = sent_layout
             if flags & _STRUCTURE:
-                self._structure = sent_structure
+                self._structure = structure if self.is_source else tree_flatten(sent_structure)
         self._layout = layout
         if self.is_source:
             if flags & _OUTPUTS and tensors:
@@ -182,7 +187,8 @@ class ResultExchange:
         return math.nan if loss is None else loss, join_records(layout, numbers), outputs
 
     def _receive_outputs(self) -> Any:
-        leaves, spec = tree_flatten(self._structure)
+        assert self._structure is not None
+        leaves, spec = self._structure
         layout = [(leaf.dtype, list(leaf.shape)) for leaf in leaves if isinstance(leaf, _Slot)]
         tensors: list[Tensor] = []
         if layout:
