@@ -67,18 +67,22 @@ def meta_twin(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module, memo)
 
 
-class _StandIn(nn.Module):
-    """Takes the place of a block held by another stage: no weights, no compute. Reading an attribute reads it from a
-    meta-device twin of the block (its submodules, settings, and weights as meta tensors), because a model's loop may
-    inspect its blocks: PyTorch's ``nn.TransformerEncoder`` reads ``layers[0].self_attn.batch_first`` and the first
-    layer's weights to choose its fast path, Hugging Face decoders a layer's ``attention_type``."""
+def _meta_twin_or_none(block: nn.Module) -> nn.Module | None:
+    try:
+        return meta_twin(block)
+    except Exception:  # a block that cannot be copied (it holds a lock, say): its attributes are not readable
+        return None
 
-    def __init__(self, block: nn.Module, index: int, owner: int, view: StageView) -> None:
+
+class _StandIn(nn.Module):
+    """Takes the place of a block held by another stage: no weights, no compute. Reading an attribute reads it from
+    ``twin``, because a model's loop may inspect its blocks: PyTorch's ``nn.TransformerEncoder`` reads
+    ``layers[0].self_attn.batch_first`` and the first layer's weights to choose its fast path, Hugging Face decoders a
+    layer's ``attention_type``. The twin is the block itself where this rank holds it, else a meta-device copy (its
+    submodules and settings, its weights as meta tensors); ``None`` for a block that cannot be copied."""
+
+    def __init__(self, block: nn.Module, index: int, owner: int, view: StageView, twin: nn.Module | None) -> None:
         super().__init__()
-        try:
-            twin: nn.Module | None = meta_twin(block)
-        except Exception:  # a block that cannot be copied (it holds a lock, say): its attributes are not readable
-            twin = None
         self.__dict__["_pipeline"] = (view, index, owner, type(block).__name__, twin)
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
@@ -141,12 +145,11 @@ class StageView:
         self._stand_ins: dict[str, _StandIn] = {}  # for this rank's own blocks, when a pass or the finish needs them
         for i, key in enumerate(self.keys):
             block = getattr(container, key)
-            stand_in = _StandIn(block, i, owner[i], self)
             if owner[i] in self.stages:
                 self._local_blocks[key] = block
-                self._stand_ins[key] = stand_in
+                self._stand_ins[key] = _StandIn(block, i, owner[i], self, twin=block)
             else:
-                container.register_module(key, stand_in)
+                container.register_module(key, _StandIn(block, i, owner[i], self, twin=_meta_twin_or_none(block)))
         for stage in self.stages:
             first, last = self._block(ranges[stage][0]), self._block(ranges[stage][-1])
             first.register_forward_pre_hook(functools.partial(self._before_first_block, stage))
