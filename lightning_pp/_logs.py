@@ -43,6 +43,15 @@ class MetricRef:
     forward_value: float | None
 
 
+@dataclass(frozen=True)
+class _MetricCall:
+    """A ``self.log`` of a ``Metric`` during a micro-batch: its attribute path and its forward's value, left where it
+    was computed (read once per step, in :meth:`LogRecorder.combine`: not a device sync per micro-batch)."""
+
+    attribute: str
+    forward_value: torch.Tensor | None
+
+
 # (name, value, log keyword arguments), ready to send and replay
 LogRecord = tuple[str, "float | MetricRef", dict[str, Any]]
 # a record without its number: (name, the metric's attribute path or None for a plain value, whether a number goes
@@ -115,7 +124,7 @@ class LogRecorder:
     """Collects ``self.log`` calls of one step, tagged with the micro-batch they came from."""
 
     def __init__(self) -> None:
-        self._calls: list[tuple[int, str, torch.Tensor | MetricRef, dict[str, Any]]] = []
+        self._calls: list[tuple[int, str, torch.Tensor | _MetricCall, dict[str, Any]]] = []
         self._metrics: list[Metric] = []  # the module's metrics, watched during recording
         self._logged_metrics: dict[str, Metric] = {}  # attribute path -> metric logged in this step
         # id(metric) -> its copy updated with this step's micro-batches (the step value is computed from it); by id
@@ -190,8 +199,8 @@ class LogRecorder:
                         f"LightningModule so that every pipeline stage can replay it; assign it in __init__."
                     )
                 cache = _compat.metric_forward_value(value)
-                forward_value = float(cache) if isinstance(cache, torch.Tensor) and cache.numel() == 1 else None
-                self._calls.append((microbatch, name, MetricRef(attribute, forward_value), options))
+                forward_value = cache.detach() if isinstance(cache, torch.Tensor) and cache.numel() == 1 else None
+                self._calls.append((microbatch, name, _MetricCall(attribute, forward_value), options))
                 self._logged_metrics[attribute] = value
                 return
             if not isinstance(value, (torch.Tensor, int, float)):
@@ -199,7 +208,8 @@ class LogRecorder:
                     f"self.log({name!r}, ...) got a {type(value).__name__}; log a tensor, a number or a torchmetrics "
                     f"Metric that is an attribute of the module."
                 )
-            self._calls.append((microbatch, name, torch.as_tensor(value).detach(), options))
+            value = value.detach() if isinstance(value, torch.Tensor) else torch.tensor(value, device="cpu")
+            self._calls.append((microbatch, name, value, options))
 
         module.log = log  # type: ignore[method-assign]
         try:
@@ -220,12 +230,12 @@ class LogRecorder:
             options = dict(entries[-1][2])
             last_value = entries[-1][1]
             sizes = [float(microbatch_sizes[mb]) for mb, _, _ in entries]
-            if isinstance(last_value, MetricRef):
+            if isinstance(last_value, _MetricCall):
                 forward_value = self._step_value(self._logged_metrics[last_value.attribute])
                 forwards = [v.forward_value for _, v, _ in entries]
                 if forward_value is None and all(f is not None for f in forwards):
                     # the metric was not called through its forward in this step: keep what the step's calls gave
-                    forward_value = _weighted_mean(torch.tensor(forwards, dtype=torch.float64), sizes)
+                    forward_value = _weighted_mean(_stacked(forwards), sizes)
                 records.append((name, MetricRef(last_value.attribute, forward_value), options))
                 continue
             reduction = _REDUCTIONS.get(options["reduce_fx"])
@@ -234,7 +244,7 @@ class LogRecorder:
                     f"self.log({name!r}, reduce_fx={options['reduce_fx']!r}) cannot be combined over micro-batches; "
                     f"use one of 'mean', 'sum', 'max', 'min'."
                 )
-            values = torch.stack([v.double().reshape(()) for _, v, _ in entries])
+            values = _stacked([v for _, v, _ in entries])
             combined = _weighted_mean(values, sizes) if reduction == "mean" else float(getattr(values, reduction)())
             if options.get("batch_size") is not None:
                 options["batch_size"] = sum(int(o["batch_size"]) for _, _, o in entries)
@@ -247,8 +257,14 @@ class LogRecorder:
         return records
 
 
+def _stacked(values: list[Any]) -> torch.Tensor:
+    """Logged scalars (on the device they were computed on, or the host) as one float64 tensor on the first's device."""
+    device = values[0].device
+    return torch.stack([v.to(device=device, dtype=torch.float64).reshape(()) for v in values])
+
+
 def _weighted_mean(values: torch.Tensor, weights: list[float]) -> float:
-    weight = torch.tensor(weights, dtype=torch.float64)
+    weight = torch.tensor(weights, dtype=torch.float64, device=values.device)
     return float((values * weight).sum() / weight.sum())
 
 

@@ -13,8 +13,8 @@ import torch
 
 from lightning_pp.errors import PipelineConfigError
 
-__all__ = ["Layout", "Spec", "decode_spec", "encode_spec", "flatten", "map_tensors", "pack", "packed_size", "unflatten",
-           "unpack"]
+__all__ = ["Layout", "Spec", "decode_spec", "encode_spec", "flatten", "has_nested", "map_tensors", "pack",
+           "packed_size", "unflatten", "unpack"]
 
 # {"T": i}: the i-th tensor; {"N": [i, j]}: a nested tensor, padded as the i-th tensor with its sizes as the j-th;
 # {"V": x}: a plain value (None, bool, int, float, str); {"tuple"|"list": [...]}; {"dict": [[key, spec], ...]}
@@ -78,6 +78,16 @@ def unflatten(spec: Spec, tensors: list[torch.Tensor]) -> Any:
     if "list" in spec:
         return [unflatten(s, tensors) for s in spec["list"]]
     return {key: unflatten(s, tensors) for key, s in spec["dict"]}
+
+
+def has_nested(spec: Spec) -> bool:
+    """Whether ``spec`` holds a nested tensor, which :func:`unflatten` rebuilds by reading its tensors' values."""
+    if "N" in spec:
+        return True
+    for kind in ("tuple", "list"):
+        if kind in spec:
+            return any(has_nested(s) for s in spec[kind])
+    return "dict" in spec and any(has_nested(s) for _, s in spec["dict"])
 
 
 def map_tensors(obj: Any, fn: Callable[[torch.Tensor], torch.Tensor]) -> Any:

@@ -7,6 +7,7 @@ import json
 import math
 import numbers
 import os
+import socket
 import time
 from collections.abc import Sequence
 from contextlib import ExitStack
@@ -104,7 +105,9 @@ class PipelineMonitor(pl.Callback):
     Without a logger, a per-stage summary table is printed at the end of ``fit``. With data-parallel replicas, the
     pipeline of replica 0 is measured (the others run the same schedule on other samples).
 
-    Stage clocks are aligned once at the start of training after a barrier (offsets of a few tens of microseconds).
+    Ranks on global rank 0's host share its clock (``time.perf_counter`` is the system-wide monotonic clock); those on
+    other hosts are aligned to it once at the start of training, after a barrier (to within the barrier's exit skew,
+    tens of microseconds to a millisecond).
     On CPU each action is timed with ``time.perf_counter``; on CUDA with events on the current stream, so the times
     are those of the kernels, not of their launches (see :class:`lightning_pp.runtime.EventClock`; timing a step
     costs two device synchronisations). On CPU, counting saved tensors runs a Python hook for each one, which adds a
@@ -166,13 +169,15 @@ class PipelineMonitor(pl.Callback):
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        self._strategy(trainer)
+        strategy = self._strategy(trainer)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier()
+            dist.barrier(group=strategy.object_group)
             now = time.perf_counter()
             clocks: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(clocks, now)
-            self._clock_offsets = [c - clocks[0] for c in clocks]
+            dist.all_gather_object(clocks, (socket.gethostname(), now), group=strategy.object_group)
+            host_zero, clock_zero = clocks[0]
+            # on one host a correction would only add the barrier's exit skew to clocks that already agree
+            self._clock_offsets = [0.0 if host == host_zero else clock - clock_zero for host, clock in clocks]
 
     def _measuring(self, trainer: pl.Trainer) -> bool:
         return trainer.global_step % self.logging_interval == 0
@@ -229,7 +234,7 @@ class PipelineMonitor(pl.Callback):
         gathered: list[Any] = [mine]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             gathered = [None] * dist.get_world_size() if trainer.is_global_zero else []
-            dist.gather_object(mine, gathered if trainer.is_global_zero else None, dst=0)
+            dist.gather_object(mine, gathered if trainer.is_global_zero else None, dst=0, group=strategy.object_group)
         if not trainer.is_global_zero:
             return
         schedule = strategy.last_schedule

@@ -43,7 +43,19 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_pp._tree import Layout, Spec, decode_spec, encode_spec, flatten, pack, packed_size, unflatten, unpack
+from lightning_pp._nccl_emulation import emulating_nccl, payload_work
+from lightning_pp._tree import (
+    Layout,
+    Spec,
+    decode_spec,
+    encode_spec,
+    flatten,
+    has_nested,
+    pack,
+    packed_size,
+    unflatten,
+    unpack,
+)
 from lightning_pp.errors import PipelineCommError, PipelineConfigError, PipelineTimeoutError
 from lightning_pp.schedules import Action, ActionType
 
@@ -71,6 +83,7 @@ _TENSOR_SPEC: Spec = {"T": 0}  # the structure of a plain tensor
 
 # (packet buffer, or the header alone on the host; its work; the payload layout the packet has room for)
 _PostedReceive = tuple[torch.Tensor, dist.Work, Layout]
+_PendingSend = tuple[Action, list[dist.Work], list[torch.Tensor], bool]
 
 
 def _pack(header: list[int] | None, payloads: list[torch.Tensor], device: torch.device,
@@ -78,7 +91,7 @@ def _pack(header: list[int] | None, payloads: list[torch.Tensor], device: torch.
     """One byte buffer (of at least ``size`` bytes) holding ``header`` (if any) and then ``payloads``."""
     packet = pack(payloads, device, _HEADER_BYTES if header else 0, size)
     if header:
-        packet[:_HEADER_BYTES].view(torch.int64).copy_(torch.tensor(header, dtype=torch.int64))
+        packet[:_HEADER_BYTES].view(torch.int64).copy_(torch.tensor(header, dtype=torch.int64, device=device))
     return packet
 
 
@@ -119,7 +132,8 @@ class StageP2P:
         self.groups = tuple(groups)
         self.header_groups = tuple(header_groups) if header_groups is not None else None
         # NCCL's Work.wait does not block the host, so bound its wait by polling; gloo's wait takes a timeout itself
-        self._poll = dist.get_backend(groups[0]) != "gloo"
+        # (and so do the headers' gloo groups on NCCL, whose operations report completion only once waited for)
+        self._poll = dist.get_backend(groups[0]) != "gloo" or emulating_nccl()
         # headers on the host (gloo) may be received ahead; NCCL receives are posted when their action runs
         self._prefetch = 0 if self._poll and self.header_groups is None else prefetch
         # (source stage, destination stage, micro-batch) -> layout and structure of the last transfer; both ends agree
@@ -128,8 +142,9 @@ class StageP2P:
         self._unposted: dict[ActionType, deque[Action]] = {kind: deque() for kind in _RECEIVES}
         self._posted: dict[Action, _PostedReceive] = {}
         self._posted_count: dict[ActionType, int] = dict.fromkeys(_RECEIVES, 0)
-        # (action, works, buffers): works and the buffers they read stay referenced until the send has completed
-        self._pending_sends: deque[tuple[Action, list[dist.Work], list[torch.Tensor]]] = deque()
+        # (action, works, buffers, polled): works and the buffers they read stay referenced until the send has
+        # completed; ``polled``: payloads on NCCL, whose completion the host polls (not the headers' gloo sends)
+        self._pending_sends: deque[_PendingSend] = deque()
         # NCCL: payload operations of consecutive transfer actions, posted together by :meth:`flush`
         self._batch: list[tuple[Action, dist.P2POp]] = []
         self._pending_recvs: list[tuple[Action, list[dist.Work]]] = []  # posted payload receives, checked at step end
@@ -172,10 +187,10 @@ class StageP2P:
         peer = self.stage_ranks[action.peer]
         group = self._group_of(action)
         if self.header_groups is not None:  # NCCL: the header on the host now, the payloads with the next flush
-            messages = [(torch.tensor(header, dtype=torch.int64), _HEADER_TAG)]
+            messages = [(torch.tensor(header, dtype=torch.int64, device="cpu"), _HEADER_TAG)]
             if spec_bytes:
                 messages.append((torch.frombuffer(bytearray(spec_bytes), dtype=torch.uint8), _SPEC_TAG))
-            self._post_sends(action, messages, self._header_group_of(action))
+            self._post_sends(action, messages, self._header_group_of(action), on_host=True)
             self._batch += [(action, dist.P2POp(dist.isend, t.contiguous(), peer, group)) for t in payloads]
             return
         # one packet: the header, then the payloads if they have the layout the receiver expects (it has posted a
@@ -191,27 +206,32 @@ class StageP2P:
             if payloads:  # the receiver takes the resized tensors only when there are some
                 messages.append((_pack(None, payloads, self.device), _RESIZED_TAG))
             self._expected[key] = layout
-        self._post_sends(action, messages, group)
+        self._post_sends(action, messages, group, on_host=False)
 
-    def _post_sends(self, action: Action, messages: list[tuple[torch.Tensor, int]], group: Any) -> None:
+    def _post_sends(self, action: Action, messages: list[tuple[torch.Tensor, int]], group: Any, on_host: bool) -> None:
+        """Post ``messages`` to ``action``'s peer in ``group``: a headers' group on the host (``on_host``) or one
+        the payloads travel in."""
         self._reap_sends()
         peer = self.stage_ranks[action.peer]
         try:
             works = [_posted(dist.isend(buffer, peer, group=group, tag=tag)) for buffer, tag in messages]
         except RuntimeError as error:
             raise self._error(action, "posting the send", error) from error
-        self._pending_sends.append((action, works, [buffer for buffer, _ in messages]))
+        polled = self._poll and not on_host
+        if polled:
+            works = [payload_work(work, self.timeout) for work in works]
+        self._pending_sends.append((action, works, [buffer for buffer, _ in messages], polled))
 
     def _reap_sends(self) -> None:
         """Drop the sends that have completed, so their buffers are freed during the step. Any that has, not only the
         oldest: on NCCL the headers' gloo sends report completion only once waited for, at the step's end."""
-        still: deque[tuple[Action, list[dist.Work], list[torch.Tensor]]] = deque()
-        for action, works, buffers in self._pending_sends:
+        still: deque[_PendingSend] = deque()
+        for action, works, buffers, polled in self._pending_sends:
             if all(work.is_completed() for work in works):
                 for work in works:  # completed: returns at once, and raises what the transfer failed with
-                    self._wait(work, action, "completing the send")
+                    self._wait(work, action, "completing the send", polled)
             else:
-                still.append((action, works, buffers))
+                still.append((action, works, buffers, polled))
         self._pending_sends = still
 
     def recv(self, action: Action) -> tuple[Any, float]:
@@ -226,7 +246,7 @@ class StageP2P:
             self._post(self._unposted[action.type].popleft())
         packet, work, expected = self._posted.pop(action)
         self._posted_count[action.type] -= 1
-        self._wait(work, action, "waiting for the header", poll=self._poll and self.header_groups is None)
+        self._wait(work, action, "waiting for the header", self._poll and self.header_groups is None)
         header_arrived = time.perf_counter()
         self._post_ahead(action.type)
         header = packet if self.header_groups is not None else packet[:_HEADER_BYTES].view(torch.int64)
@@ -243,7 +263,7 @@ class StageP2P:
             on_host = self.header_groups is not None
             spec_buffer = torch.empty(spec_len, dtype=torch.uint8, device="cpu" if on_host else self.device)
             self._wait(self._irecv(spec_buffer, action, _SPEC_TAG, self._header_group_of(action) if on_host else None),
-                       action, "receiving the structure", poll=self._poll and not on_host)
+                       action, "receiving the structure", self._poll and not on_host)
             self._specs[key] = decode_spec(spec_buffer.cpu().numpy().tobytes())
         if self.header_groups is not None:
             payloads = [torch.empty(shape, dtype=dtype, device=self.device) for dtype, shape in layout]
@@ -254,7 +274,8 @@ class StageP2P:
         else:
             resized = torch.empty(packed_size(layout), dtype=torch.uint8, device=self.device)
             if layout:
-                self._wait(self._irecv(resized, action, _RESIZED_TAG), action, "receiving the resized tensor")
+                self._wait(self._irecv(resized, action, _RESIZED_TAG), action, "receiving the resized tensor",
+                           self._poll)
             payloads = unpack(resized, layout, 0)
             self._expected[key] = layout
         if torch.is_grad_enabled():
@@ -262,14 +283,19 @@ class StageP2P:
                 if grad and payload.is_floating_point():
                     payload.requires_grad_()
         spec = self._specs[key]
+        if self.header_groups is not None and has_nested(spec):
+            # rebuilding a nested tensor reads its sizes and copies its values: their receives must be posted (and
+            # waited for) first. Nested tensors cross only in evaluation, where nothing is gained by deferring them
+            self.flush()
         return payloads[0] if spec == _TENSOR_SPEC else unflatten(spec, payloads), header_arrived
 
-    def flush(self) -> None:
+    def flush(self) -> Action | None:
         """Post the payloads of the transfers since the last flush together (NCCL, ``header_groups``): one
         ``batch_isend_irecv`` per process group. The current stream then waits for batches holding receives; the
-        host does not wait."""
+        host does not wait. Returns the first receive action among them (None if there was none)."""
         if not self._batch:
-            return
+            return None
+        first_receive = next((action for action, op in self._batch if op.op is dist.irecv), None)
         by_group: dict[int, list[tuple[Action, dist.P2POp]]] = {}
         for entry in self._batch:
             by_group.setdefault(id(entry[1].group), []).append(entry)
@@ -277,30 +303,35 @@ class StageP2P:
         for entries in by_group.values():
             action = entries[0][0]
             try:
-                works = [_posted(work) for work in dist.batch_isend_irecv([op for _, op in entries])]
+                posted = dist.batch_isend_irecv([op for _, op in entries])
+                works = [payload_work(_posted(work), self.timeout) for work in posted]
             except RuntimeError as error:
                 raise self._error(action, "posting the transfers", error) from error
             receives = [a for a, op in entries if op.op is dist.irecv]
             if receives and self._poll:
-                for work in works:
-                    work.wait()  # NCCL: the current stream waits for the batch, the host does not
+                try:
+                    for work in works:
+                        work.wait()  # NCCL: the current stream waits for the batch, the host does not
+                except RuntimeError as error:
+                    raise self._error(receives[0], "receiving the tensor", error) from error
                 self._pending_recvs.append((receives[0], works))  # the host checks them at the step's end
             elif receives:  # gloo (tests): a second wait of a receive would wait for another message
                 for work in works:
-                    self._wait(work, receives[0], "receiving the tensor")
+                    self._wait(work, receives[0], "receiving the tensor", polled=False)
             else:
-                self._pending_sends.append((action, works, [op.tensor for _, op in entries]))
+                self._pending_sends.append((action, works, [op.tensor for _, op in entries], self._poll))
+        return first_receive
 
     def wait_sends(self) -> None:
         """Wait until every posted transfer has completed; called once per step so send buffers can be freed."""
         self.flush()
         for action, works in self._pending_recvs:
             for work in works:
-                self._wait(work, action, "receiving the tensor")
+                self._wait(work, action, "receiving the tensor", self._poll)
         self._pending_recvs.clear()
-        for action, works, _ in self._pending_sends:
+        for action, works, _, polled in self._pending_sends:
             for work in works:
-                self._wait(work, action, "completing the send")
+                self._wait(work, action, "completing the send", polled)
         self._pending_sends.clear()
 
     def _post_ahead(self, kind: ActionType) -> None:
@@ -313,7 +344,7 @@ class StageP2P:
         """Post the receive of ``action``'s header: with ``header_groups`` alone, on the host; else as a packet of
         the header and the payloads in the layout the channel's previous transfer had."""
         if self.header_groups is not None:
-            header = torch.empty(_HEADER_LEN, dtype=torch.int64)
+            header = torch.empty(_HEADER_LEN, dtype=torch.int64, device="cpu")
             work = self._irecv(header, action, _HEADER_TAG, self._header_group_of(action))
             self._posted[action] = (header, work, [])
         else:
@@ -337,21 +368,28 @@ class StageP2P:
         upward = there > here if action.is_send else here > there
         return groups[2 * kind + int(upward)]
 
-    def _irecv(self, buffer: torch.Tensor, action: Action, tag: int, group: Any = None) -> dist.Work:
+    def _irecv(self, buffer: torch.Tensor, action: Action, tag: int, on_host: Any = None) -> dist.Work:
+        """Post a receive from ``action``'s peer: in the headers' group ``on_host`` if given, else in the payloads'."""
         try:
-            return _posted(dist.irecv(buffer, self.stage_ranks[action.peer],
-                                      group=group if group is not None else self._group_of(action), tag=tag))
+            if on_host is not None:
+                return _posted(dist.irecv(buffer, self.stage_ranks[action.peer], group=on_host, tag=tag))
+            work = _posted(dist.irecv(buffer, self.stage_ranks[action.peer], group=self._group_of(action), tag=tag))
         except RuntimeError as error:
             raise self._error(action, "posting the receive", error) from error
+        return payload_work(work, self.timeout) if self._poll else work
 
-    def _wait(self, work: dist.Work, action: Action, what: str, poll: bool | None = None) -> None:
+    def _wait(self, work: dist.Work, action: Action, what: str, polled: bool) -> None:
+        """Wait for ``work``, at most ``timeout`` seconds: ``polled`` (NCCL's payloads, whose ``wait`` does not
+        block the host) by checking for completion, backing off from a spin to 1 ms sleeps; else by gloo's own wait."""
         try:
-            if self._poll if poll is None else poll:
+            if polled:
                 deadline = time.monotonic() + self.timeout
+                pause = 0.0
                 while not work.is_completed():
                     if time.monotonic() > deadline:
                         raise TimeoutError(f"not completed after {self.timeout} s")
-                    time.sleep(0)
+                    time.sleep(pause)
+                    pause = min(1e-3, pause * 2 or 1e-5)
                 work.wait()
             else:
                 work.wait(timedelta(seconds=self.timeout))

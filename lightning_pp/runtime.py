@@ -133,11 +133,16 @@ def run_stage(
     for action in actions:
         stage, mb = action.stage, action.microbatch
         key = (stage, mb)
-        start = timer.now() if timer is not None else None
-        header_arrived = None
         kind = action.type
         if p2p is not None and kind in _COMPUTE:
-            p2p.flush()  # batched transfers (NCCL) are posted before what may use them
+            # batched payloads (NCCL) are posted before what may use them, and the stream waits for them there: timed
+            # as the transfer of the receive they belong to, before the compute's own start
+            posted = timer.now() if timer is not None else None
+            receive = p2p.flush()
+            if timer is not None and receive is not None:
+                stamps.append((receive, COMM_TRANSFER, posted, None, timer.now()))
+        start = timer.now() if timer is not None else None
+        header_arrived = None
         if kind is ActionType.FORWARD:
             if stage - 1 in local:  # the previous stage ran on this rank: hand its output over
                 previous = outputs[(stage - 1, mb)] if training else outputs.pop((stage - 1, mb))

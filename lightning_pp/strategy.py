@@ -36,6 +36,7 @@ from lightning_pp import _compat
 from lightning_pp._allocator import keep_freed_cpu_memory
 from lightning_pp._failures import FailureSignal
 from lightning_pp._logs import LogRecorder
+from lightning_pp._nccl_emulation import ENV_VAR, emulating_nccl
 from lightning_pp.checkpoint import NAMES_KEY, indexed_to_named, load_named, merge_named, named_state, named_to_indexed
 from lightning_pp.errors import PipelineCommError, PipelineConfigError
 from lightning_pp.grads import PipelineGradients, broadcast_tensors
@@ -308,6 +309,8 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._grads: PipelineGradients | None = None
         self._p2p: StageP2P | None = None
         self._groups: StageGroups | None = None
+        # a gloo group over the world for object collectives where the default group is not gloo (None: the default)
+        self.object_group: Any = None
         self._accumulating = False  # inside Lightning's block_backward_sync: gradients not synchronized yet
         self._failures: FailureSignal | None = None
         self._schedules: dict[tuple[int, bool], Schedule] = {}
@@ -433,9 +436,19 @@ class PipelineParallelStrategy(ParallelStrategy):
         backend = self._process_group_backend or _compat._get_default_process_group_backend_for_device(
             self.root_device
         )
+        _check(not (backend == "gloo" and self.root_device.type == "cuda"),
+               f"process_group_backend='gloo' cannot carry the pipeline's transfers between CUDA devices "
+               f"({self.root_device}): gloo does not move GPU memory between processes. Use "
+               f"process_group_backend='nccl' (or leave it None, which chooses NCCL for CUDA devices).")
         self._process_group_backend = backend
         assert self.cluster_environment is not None
         _compat._init_dist_connection(self.cluster_environment, backend, timeout=self.process_group_timeout)
+        # object collectives (checkpoint gathering, reports, the monitor's timelines) pickle into tensors: on NCCL those
+        # would be GPU buffers of the largest object times the world on the receiving rank, so they use gloo
+        self.object_group = (dist.new_group(backend="gloo", timeout=self.process_group_timeout)
+                             if backend != "gloo" or emulating_nccl() else None)
+        if emulating_nccl() and self.global_rank == 0:
+            log.warning(f"lightning_pp: {ENV_VAR} is set: the transfers follow NCCL's protocol on {backend}.")
         if backend == "gloo":
             atexit.unregister(_destroy_gloo_process_group)  # once, however many fits this process runs
             atexit.register(_destroy_gloo_process_group)
@@ -520,7 +533,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         if self.num_stages > 1:
             stage_ranks = [groups.pipeline_ranks[rank] for rank in schedule.stage_to_rank]
             header_groups = None
-            if self._process_group_backend == "nccl":  # the transfers' headers travel on the host (see StageP2P)
+            if self._process_group_backend == "nccl" or emulating_nccl():  # headers travel on the host (StageP2P)
                 for group in groups.p2p:  # batch_isend_irecv needs a group's first call to involve all its ranks
                     dist.all_reduce(torch.zeros(1, device=self.root_device), group=group)
                 on_host = create_groups(self.layout, self.global_rank, lambda ranks: dist.new_group(
@@ -554,7 +567,7 @@ class PipelineParallelStrategy(ParallelStrategy):
                       f"{view.local.start}-{view.local.stop - 1} of `{view.container_name}` and {total} parameters, "
                       f"{trainable} trainable, counting those outside the blocks)")
         reports: list[str | None] = [None] * self._world
-        dist.all_gather_object(reports, report)
+        dist.all_gather_object(reports, report, group=self.object_group)
         failed = list(dict.fromkeys(r for r in reports if r is not None))  # replicas of a stage fail alike
         if failed:
             raise PipelineConfigError(
@@ -574,7 +587,8 @@ class PipelineParallelStrategy(ParallelStrategy):
         return resolve_balance(self._balance_by, module, self._blocks_name, num_stages, trainer,
                                device=self.root_device, microbatches=self.microbatches,
                                precision=self.precision_plugin, recompute_every=self._checkpoint_every,
-                               global_rank=self.global_rank, world_size=self._world, collective=self._collective)
+                               global_rank=self.global_rank, world_size=self._world, collective=self._collective,
+                               object_group=self.object_group)
 
     @override
     def model_to_device(self) -> None:
@@ -591,7 +605,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         if not (dist.is_available() and dist.is_initialized()):
             return obj
         box = [obj]
-        dist.broadcast_object_list(box, src)
+        dist.broadcast_object_list(box, src, group=self.object_group)
         return box[0]
 
     @override
@@ -847,7 +861,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         if self._world == 1:
             return [obj]
         gathered: list[Any] | None = [None] * self._world if self.is_global_zero else None
-        dist.gather_object(obj if self.replica == 0 else None, gathered, dst=0)
+        dist.gather_object(obj if self.replica == 0 else None, gathered, dst=0, group=self.object_group)
         return [gathered[self.layout.rank(stage, 0)] for stage in range(self.num_stages)] if gathered else []
 
     def _own_state(self) -> dict[str, Tensor]:
@@ -963,7 +977,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         parts: list[Any] = [local]
         if self._world > 1:
             parts = [None] * self._world
-            dist.all_gather_object(parts, local)
+            dist.all_gather_object(parts, local, group=self.object_group)
         order = self._partition.full_param_order
         return [sorted({n for part in parts for n in part[g]}, key=lambda n: order[n]) for g in range(len(local))]
 
@@ -975,6 +989,9 @@ class PipelineParallelStrategy(ParallelStrategy):
         if self._groups is not None and dist.is_initialized():  # the default group is Lightning's to destroy
             for group in self._groups.created:
                 dist.destroy_process_group(group)
+        if self.object_group is not None and dist.is_initialized():
+            dist.destroy_process_group(self.object_group)
+        self.object_group = None
         if self._placement is not None:
             self._placement.cancel()
         self._groups = None

@@ -99,7 +99,8 @@ class BlockCosts:
 
     def to_tensor(self) -> Tensor:
         """``[before, block 0, ..., block n-1, after]``, forward plus backward: what every rank receives."""
-        return torch.tensor([sum(self.before), *self.blocks, sum(self.after)], dtype=torch.float64)
+        return torch.tensor([sum(self.before), *self.blocks, sum(self.after)], dtype=torch.float64,
+                            device="cpu")
 
 
 def _synchronize(device: torch.device) -> None:
@@ -377,7 +378,7 @@ def _ms(values: Sequence[float]) -> str:
 def resolve_balance(by: str, module: pl.LightningModule, blocks: str | None, num_stages: int, trainer: pl.Trainer, *,
                     device: torch.device, microbatches: int, precision: Precision, recompute_every: int,
                     global_rank: int, world_size: int,
-                    collective: Callable[[str], AbstractContextManager[None]]) -> list[int]:
+                    collective: Callable[[str], AbstractContextManager[None]], object_group: Any = None) -> list[int]:
     """Blocks per stage for ``balance=by`` ("params" or "time"), the same on every rank of the job.
 
     ``"params"``: even parameter counts (every rank computes it alike). ``"time"``: global rank 0 measures (see
@@ -386,7 +387,7 @@ def resolve_balance(by: str, module: pl.LightningModule, blocks: str | None, num
     (a NaN-marked tensor, then its message), so every rank raises a :class:`PipelineConfigError` instead of waiting.
     Outside ``fit`` (``validate``/``test``/``predict`` have no training step to time), without training data, or when
     the first training batch cannot be read without taking it from training, the split falls back to ``"params"``,
-    with a log line.
+    with a log line. ``object_group`` carries the error's message (None: the default group).
     """
     name, container = find_blocks(module, blocks)
     uniform_balance(len(_blocks(container)), num_stages)  # too few blocks: an error on every rank, before measuring
@@ -396,7 +397,7 @@ def resolve_balance(by: str, module: pl.LightningModule, blocks: str | None, num
     if reason is None:
         measured: BlockCosts | None = None
         error: Exception | None = None
-        costs = torch.full((len(_blocks(container)) + 2,), -torch.inf, dtype=torch.float64)
+        costs = torch.full((len(_blocks(container)) + 2,), -torch.inf, dtype=torch.float64, device="cpu")
         if global_rank == 0:
             try:
                 measured = _probe_costs(module, name, trainer, device, microbatches, precision, recompute_every)
@@ -412,7 +413,7 @@ def resolve_balance(by: str, module: pl.LightningModule, blocks: str | None, num
             message = [f"{type(error).__name__}: {error}" if error is not None else None]
             if world_size > 1:
                 with collective("the broadcast of the balance probe's error (balance='time')"):
-                    dist.broadcast_object_list(message, src=0)
+                    dist.broadcast_object_list(message, src=0, group=object_group)
             raise PipelineConfigError(
                 f"balance='time': measuring the blocks of `{name}` on global rank 0 failed ({message[0]}). Pass "
                 f"balance='params' or a list of blocks per stage instead."

@@ -256,13 +256,13 @@ class WeightPlacement:
         frozen = {id(p) for p in weights if not p.requires_grad}  # frozen again before the step ended
         used_here = [id(p) in frozen or p.grad is not None or id(p) in observation.read_elsewhere
                      for p in weights]
-        used_anywhere = any_rank(torch.tensor(used_here, dtype=torch.int32)).tolist()
+        used_anywhere = any_rank(torch.tensor(used_here, dtype=torch.int32, device="cpu")).tolist()
         releasable = {id(p) for p, here, anywhere in zip(weights, used_here, used_anywhere, strict=True)
                       if anywhere and not here}
         replaceable, kept_why = self._replaceable(weights, releasable, observation)
         released_here = [id(p) in releasable and all(id(h.module) in replaceable for h in self._holders[id(p)])
                          for p in weights]
-        keeps = every_rank(torch.tensor([not r for r in released_here], dtype=torch.int32))
+        keeps = every_rank(torch.tensor([not r for r in released_here], dtype=torch.int32, device="cpu"))
         by_position: dict[int, list[Tensor]] = {}
         for rank in range(keeps.shape[0]):
             by_position.setdefault(position_of(rank), []).append(keeps[rank])

@@ -154,7 +154,8 @@ class ResultExchange:
                     else _OUTPUTS | _STRUCTURE
             count = len(numbers)
             head = [math.nan if loss is None else loss, float(flags), float(count), *numbers[:_INLINE]]
-            message = torch.tensor(head + [0.0] * (_MESSAGE_LEN - len(head)), dtype=torch.float64).to(self.device)
+            message = torch.tensor(head + [0.0] * (_MESSAGE_LEN - len(head)), dtype=torch.float64,
+                                   device=self.device)
         else:
             message = torch.empty(_MESSAGE_LEN, dtype=torch.float64, device=self.device)
         dist.broadcast(message, self.source, group=self.group)
@@ -163,7 +164,7 @@ class ResultExchange:
             loss, flags, count = values[0], int(values[1]), int(values[2])
             numbers = values[3:3 + min(count, _INLINE)]
         if count > _INLINE:
-            more = (torch.tensor(numbers[_INLINE:], dtype=torch.float64).to(self.device) if self.is_source
+            more = (torch.tensor(numbers[_INLINE:], dtype=torch.float64, device=self.device) if self.is_source
                     else torch.empty(count - _INLINE, dtype=torch.float64, device=self.device))
             dist.broadcast(more, self.source, group=self.group)
             if not self.is_source:

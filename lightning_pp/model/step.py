@@ -35,7 +35,8 @@ from lightning_pp.topology import StageGroups
 
 __all__ = ["StepDriver", "StepRandomness"]
 
-_NOTHING = torch.empty(0)  # what an evaluation forward on the last stage hands the runtime (nothing to send)
+# what an evaluation forward on the last stage hands the runtime (nothing to send)
+_NOTHING = torch.empty(0, device="cpu")
 
 
 class StepRandomness:
