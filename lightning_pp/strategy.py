@@ -426,13 +426,6 @@ class PipelineParallelStrategy(ParallelStrategy):
     @override
     def setup_environment(self) -> None:
         self._check_layout()  # again before the process group exists (torchrun starts every rank itself)
-        super().setup_environment()
-        if self._reuse_cpu_memory and self.root_device.type == "cpu":
-            keep_freed_cpu_memory()
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self._world)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         backend = self._process_group_backend or _compat._get_default_process_group_backend_for_device(
             self.root_device
         )
@@ -440,6 +433,13 @@ class PipelineParallelStrategy(ParallelStrategy):
                f"process_group_backend='gloo' cannot carry the pipeline's transfers between CUDA devices "
                f"({self.root_device}): gloo does not move GPU memory between processes. Use "
                f"process_group_backend='nccl' (or leave it None, which chooses NCCL for CUDA devices).")
+        super().setup_environment()
+        if self._reuse_cpu_memory and self.root_device.type == "cpu":
+            keep_freed_cpu_memory()
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self._world)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         self._process_group_backend = backend
         assert self.cluster_environment is not None
         _compat._init_dist_connection(self.cluster_environment, backend, timeout=self.process_group_timeout)

@@ -178,7 +178,7 @@ def with_callbacks(dirpath: str, timeout: float = 60, **strategy: Any) -> dict[s
 
 
 def p2p_exchange(steps: list[list[tuple[str, list[int]]]], prefetch: int = 2,
-                 header_groups: bool = False) -> list[list[Any]]:
+                 header_groups: bool = False, timeout: float = 30) -> list[list[Any]]:
     """Stage 0 sends each step's tensors (dtype, shape) forward, stage 1 sends them back; return what arrived.
     ``header_groups``: headers in groups of their own and batched payloads, NCCL's way (on gloo here)."""
     import torch
@@ -190,7 +190,7 @@ def p2p_exchange(steps: list[list[tuple[str, list[int]]]], prefetch: int = 2,
     stage = int(os.environ["LOCAL_RANK"])
     dist.init_process_group("gloo", rank=stage, world_size=WORLD_SIZE)
     headers = [dist.new_group([0, 1], backend="gloo") for _ in range(2)] if header_groups else None
-    p2p = StageP2P([0, 1], torch.device("cpu"), timeout=30, prefetch=prefetch, header_groups=headers)
+    p2p = StageP2P([0, 1], torch.device("cpu"), timeout=timeout, prefetch=prefetch, header_groups=headers)
     received = []
     try:
         for step, tensors in enumerate(steps):
@@ -216,6 +216,76 @@ def p2p_exchange(steps: list[list[tuple[str, list[int]]]], prefetch: int = 2,
     finally:
         dist.destroy_process_group()
     return received
+
+
+def p2p_nested(sizes: list[list[int]]) -> list[list[float]] | None:
+    """Stage 0 sends a nested tensor (sequence ``i`` of shape ``sizes[i]`` filled with ``i + 7``) to stage 1 with the
+    headers in groups of their own, as on NCCL (``nn.TransformerEncoder``'s evaluation); stage 1 returns each
+    sequence it rebuilt, flattened."""
+    import torch
+    import torch.distributed as dist
+
+    from lightning_pp.p2p import StageP2P
+    from lightning_pp.schedules import Action, ActionType
+
+    stage = int(os.environ["LOCAL_RANK"])
+    dist.init_process_group("gloo", rank=stage, world_size=WORLD_SIZE)
+    headers = [dist.new_group([0, 1], backend="gloo") for _ in range(2)]
+    p2p = StageP2P([0, 1], torch.device("cpu"), timeout=30, header_groups=headers)
+    try:
+        with torch.no_grad():
+            if stage == 0:
+                action = Action(0, ActionType.SEND_F, 0)
+                p2p.start_step([action])
+                p2p.send(torch.nested.nested_tensor([torch.full(size, i + 7.0) for i, size in enumerate(sizes)]),
+                         action)
+                arrived = None
+            else:
+                action = Action(1, ActionType.RECV_F, 0)
+                p2p.start_step([action])
+                nested = p2p.recv(action)[0]
+                arrived = [t.flatten().tolist() for t in nested.unbind()]
+                assert [list(t.shape) for t in nested.unbind()] == sizes
+            p2p.wait_sends()
+    finally:
+        dist.destroy_process_group()
+    return arrived
+
+
+def payload_wait_timing(delay: float) -> list[tuple[str, str, float]]:
+    """Two stages run one micro-batch of GPipe timed, with the headers in groups of their own (NCCL's protocol);
+    stage 0 posts its payloads ``delay`` seconds late. Return stage 1's timed events: (action, category, seconds)."""
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    from lightning_pp.p2p import StageP2P
+    from lightning_pp.runtime import HostClock, run_stage
+    from lightning_pp.schedules import build_schedule
+    from lightning_pp.simulate import TimelineEvent
+
+    stage = int(os.environ["LOCAL_RANK"])
+    dist.init_process_group("gloo", rank=stage, world_size=WORLD_SIZE)
+    headers = [dist.new_group([0, 1], backend="gloo") for _ in range(2)]
+    p2p = StageP2P([0, 1], torch.device("cpu"), timeout=30, header_groups=headers)
+    if stage == 0:  # the header leaves at once; the payload only when the batch is flushed, late
+        flush = p2p.flush
+
+        def late_flush() -> Any:
+            time.sleep(delay)
+            return flush()
+
+        p2p.flush = late_flush  # type: ignore[method-assign]
+    weight = torch.ones(4, requires_grad=True)
+    events: list[TimelineEvent] = []
+    try:
+        run_stage(build_schedule("gpipe", 2, 1), stage,
+                  lambda s, mb, received: weight * 2 if s == 0 else (received * weight).sum(), p2p, training=True,
+                  events=events, clock=HostClock())
+    finally:
+        dist.destroy_process_group()
+    return [(str(e.action), e.category, e.end - e.start) for e in events]
 
 
 def train_recording_steps(model: str, trainer: dict[str, Any] | None = None, **kwargs: Any) -> dict[str, Any]:

@@ -28,8 +28,12 @@ def assert_same_metrics(got: dict[str, float], want: dict[str, float], label: st
 def test_validation_test_predict_and_metrics_match_single_device(world_size: int) -> None:
     # interleaved on 2 ranks: predict's batches of 5 break its rule (5 % (5 // 2) != 0) and run as a forward sweep
     extra = ("interleaved_1f1b", 8) if world_size == 2 else ("zbv", 8)
-    runs = [{"scenario": "lifecycle", "kwargs": {"schedule": s, "microbatches": m}}
-            for s, m in [("1f1b", world_size), ("gpipe", 3), extra]]
+    check_lifecycle(world_size, [("1f1b", world_size), ("gpipe", 3), extra])
+
+
+def check_lifecycle(world_size: int, schedules: list[tuple[str, int]]) -> None:
+    """Fit, validate, test and predict pipelined with each (schedule, micro-batches); compare with one device."""
+    runs = [{"scenario": "lifecycle", "kwargs": {"schedule": s, "microbatches": m}} for s, m in schedules]
     ranks = launch(world_size, runs, timeout=300)
     expected = reference()
     for index, run in enumerate(runs):

@@ -1,0 +1,113 @@
+"""NCCL's control flow on CPU (``LIGHTNING_PP_NCCL_EMULATION=1``, see :mod:`lightning_pp._nccl_emulation`): headers on
+the host in gloo groups of their own, payloads posted in batches and polled for completion as NCCL's are, object
+collectives on a gloo group. Each test here failed, stalled or read garbage before the fault it names was fixed.
+
+The emulated tier is a subset of the multi-process tiers, on 2 ranks: equivalence (1F1B, GPipe with a micro-batch count
+that does not divide the batch, interleaved (four transfer groups), ZB-H1 and ZBV, a weight shared by the first and
+the last stage), the lifecycle (validation, test, predict, torchmetrics, step outputs), PyTorch's
+``nn.TransformerEncoder`` (nested tensors crossing stages in evaluation), a full checkpoint gathered and resumed, the
+monitor, and the failure tier (a user error on one stage, a dead peer).
+"""
+
+from __future__ import annotations
+
+import statistics
+from pathlib import Path
+
+import pytest
+import test_checkpoints
+import test_failures
+import test_lifecycle
+import test_real_models
+from _launch import launch
+from test_equivalence import assemble, assert_trains_like, pipelined, reference
+
+from lightning_pp._nccl_emulation import ENV_VAR
+from lightning_pp.simulate import COMM_TRANSFER, FORWARD
+
+
+@pytest.fixture(autouse=True)
+def _nccl_emulation(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv(ENV_VAR, "1")  # the ranks inherit the environment
+
+
+def test_transfers_end_their_step_without_stalling() -> None:
+    """Finding 1: the headers' gloo sends were polled like NCCL's payloads, and a gloo send reports completion only
+    once waited for, so every step's end stalled for ``timeout`` seconds and then failed."""
+    steps = [[("float32", [4, 3]), ("int64", [3])], [("float32", [2, 5]), ("int64", [3])]]
+    ranks = launch(2, [{"scenario": "p2p_exchange", "kwargs": {"steps": steps, "header_groups": True, "timeout": 5}}],
+                   timeout=60)
+    for rank in ranks:
+        assert not rank.errors, rank.errors
+        assert [[list(t.shape) for t in step] for step in rank.results[0]] == [[s for _, s in step] for step in steps]
+
+
+def test_nested_tensors_arrive_intact_with_headers_on_the_host() -> None:
+    """Finding 3: a nested tensor was rebuilt (its sizes read, its values copied) before its payloads were received:
+    sizes (2, 3), (4, 3) arrived as (4, 3), (4, 3) of uninitialised memory."""
+    sizes = [[2, 3], [4, 3], [1, 3]]
+    ranks = launch(2, [{"scenario": "p2p_nested", "kwargs": {"sizes": sizes}}], timeout=60)
+    assert not ranks[1].errors, ranks[1].errors
+    assert ranks[1].results[0] == [[i + 7.0] * (rows * cols) for i, (rows, cols) in enumerate(sizes)]
+
+
+def test_payload_wait_is_timed_as_transfer_not_compute() -> None:
+    """Finding 5: the compute's clock started before the payloads were posted and waited for, so forward and backward
+    absorbed the communication and transfers read about 0."""
+    delay = 0.5
+    ranks = launch(2, [{"scenario": "payload_wait_timing", "kwargs": {"delay": delay}}], timeout=60)
+    assert not ranks[1].errors, ranks[1].errors
+    events = ranks[1].results[0]
+    forward = sum(seconds for action, category, seconds in events if category == FORWARD)
+    transfer = sum(seconds for action, category, seconds in events
+                   if action == "1RECV_F0" and category == COMM_TRANSFER)
+    assert forward < 0.5 * delay, events
+    assert transfer > 0.8 * delay, events
+
+
+def test_schedules_match_single_device() -> None:
+    runs = [pipelined("mlp", schedule=s, microbatches=m)
+            for s, m in [("1f1b", 4), ("gpipe", 3), ("interleaved_1f1b", 4), ("zb_h1", 4), ("zbv", 4)]]
+    runs += [pipelined("tied_sgd", schedule="1f1b", microbatches=2)]
+    ranks = launch(2, runs, timeout=300)
+    for index, run in enumerate(runs):
+        assert_trains_like(ranks, index, run, reference(run["kwargs"]["model"]), f"emulated NCCL {run['kwargs']}")
+
+
+def test_validation_test_predict_and_metrics_match_single_device() -> None:
+    test_lifecycle.check_lifecycle(2, [("1f1b", 2), ("interleaved_1f1b", 8)])
+
+
+def test_pytorch_transformer_encoder_evaluates_on_nested_tensors(tmp_path: Path) -> None:
+    run = test_real_models.job("torch_encoder", schedule="1f1b", microbatches=2, dirpath=str(tmp_path / "encoder"))
+    test_real_models.check_all(2, [run], [test_real_models.validated_and_predicted("torch_encoder")], timeout=180)
+
+
+def test_full_checkpoint_gathers_on_the_object_group(tmp_path: Path) -> None:
+    """Finding 7: the full checkpoint is gathered through a gloo group of its own (on NCCL the default group's
+    ``gather_object`` would allocate the largest object times the world on rank 0's GPU)."""
+    uninterrupted = test_checkpoints.single_device(max_epochs=2)
+    saved = str(tmp_path / "two.ckpt")
+    ranks = launch(2, [test_checkpoints.run(schedule="1f1b", microbatches=2, max_epochs=1, save_to=saved, trainer={}),
+                       test_checkpoints.run(schedule="1f1b", microbatches=2, max_epochs=2, ckpt_path=saved,
+                                            trainer={})], timeout=200)
+    test_checkpoints.assert_params_close(assemble(ranks, 1)[0], uninterrupted,
+                                         "emulated NCCL: saved after one epoch, resumed for the second")
+
+
+def test_monitor_measures_the_bubble_of_1f1b() -> None:
+    """Stage clocks, the timed step and the timelines gathered on the object group: the bubble matches theory."""
+    ranks = launch(2, [{"scenario": "monitored", "kwargs": {"model": "sleepy2", "schedule": "1f1b", "microbatches": 4,
+                                                             "log_dir": None, "timeline_every_n_steps": 0}}],
+                   timeout=200)
+    assert not ranks[0].errors, ranks[0].errors
+    measured = statistics.median(h["pipeline/bubble_fraction"] for h in ranks[0].results[0]["history"])
+    assert measured == pytest.approx(1 / 5, abs=0.03)
+
+
+def test_user_error_on_one_stage_reaches_the_other() -> None:
+    test_failures.test_user_error_on_one_stage_reaches_the_other()
+
+
+def test_dead_peer_raises_timeout_on_the_other_rank() -> None:
+    test_failures.test_dead_peer_raises_timeout_on_the_other_rank()
