@@ -175,9 +175,7 @@ class PipelineMonitor(pl.Callback):
             now = time.perf_counter()
             clocks: list[Any] = [None] * dist.get_world_size()
             dist.all_gather_object(clocks, (socket.gethostname(), now), group=strategy.object_group)
-            host_zero, clock_zero = clocks[0]
-            # on one host a correction would only add the barrier's exit skew to clocks that already agree
-            self._clock_offsets = [0.0 if host == host_zero else clock - clock_zero for host, clock in clocks]
+            self._clock_offsets = clock_offsets(clocks)
 
     def _measuring(self, trainer: pl.Trainer) -> bool:
         return trainer.global_step % self.logging_interval == 0
@@ -290,6 +288,14 @@ class PipelineMonitor(pl.Callback):
             schedule = self._strategy(trainer).last_schedule
             assert schedule is not None  # there is history: a measured training step ran
             print(summary_table(self.history, schedule.stage_to_rank))
+
+
+def clock_offsets(readings: list[tuple[str, float]]) -> list[float]:
+    """Each rank's clock minus global rank 0's, from (host name, ``perf_counter``) read by every rank right after a
+    barrier. Zero on rank 0's host: its ranks share one clock, and a correction would only add the barrier's exit
+    skew."""
+    host_zero, clock_zero = readings[0]
+    return [0.0 if host == host_zero else clock - clock_zero for host, clock in readings]
 
 
 def _stage_view(strategy: PipelineParallelStrategy) -> StageView:

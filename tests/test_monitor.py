@@ -16,6 +16,7 @@ from torch import nn
 
 from lightning_pp import PipelineConfigError, PipelineMonitor
 from lightning_pp._memory import AllocatorPeakMeter, SavedTensorMeter, parameter_storages, stage_parameter_bytes
+from lightning_pp.monitor import clock_offsets
 
 STAGE_KEYS = ["forward_ms", "backward_ms", "comm_wait_ms", "comm_transfer_ms", "idle_ms", "framework_us_per_action",
               "bubble_fraction"]
@@ -265,3 +266,9 @@ def test_allocator_peak_meter_measures_above_the_start() -> None:
         temporary = torch.empty(2**22, dtype=torch.uint8, device=device)
         del temporary
     assert meter.peak == 2**22 and kept.numel() == 2**20
+
+
+def test_clocks_are_corrected_only_across_hosts() -> None:
+    """Ranks on rank 0's host share its clock (the barrier's exit skew is not a clock offset); others are shifted."""
+    readings = [("node0", 100.0), ("node0", 100.003), ("node1", 5.0), ("node1", 5.002)]
+    assert clock_offsets(readings) == pytest.approx([0.0, 0.0, -95.0, -94.998])
