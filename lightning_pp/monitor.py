@@ -20,10 +20,12 @@ import torch.distributed as dist
 from typing_extensions import override
 
 from lightning_pp._memory import AllocatorPeakMeter, SavedTensorMeter, stage_parameter_bytes, step_memory_meter
+from lightning_pp.actions import Action, Schedule
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.model.stage import StageView
-from lightning_pp.schedules import Action, Schedule
-from lightning_pp.simulate import (
+from lightning_pp.simulate import simulate
+from lightning_pp.telemetry import PipelineTelemetry
+from lightning_pp.timeline import (
     BACKWARD,
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
@@ -33,9 +35,7 @@ from lightning_pp.simulate import (
     FORWARD,
     Timeline,
     TimelineEvent,
-    simulate,
 )
-from lightning_pp.strategy import PipelineParallelStrategy
 
 __all__ = ["PipelineMonitor", "draw_timelines", "to_chrome_trace"]
 
@@ -125,6 +125,9 @@ class PipelineMonitor(pl.Callback):
             Trainer's strategy is not a ``PipelineParallelStrategy``.
     """
 
+    # its batch-end hooks read no step outputs, so they need not travel to every stage (see model/results.py)
+    ignores_step_outputs = True
+
     def __init__(self, logging_interval: int = 10, timeline_every_n_steps: int = 100,
                  trace_dir: str | Path | None = None) -> None:
         logging_interval = _step_count("logging_interval", logging_interval, "logging_interval=10")
@@ -159,22 +162,24 @@ class PipelineMonitor(pl.Callback):
         self.history: list[dict[str, float]] = []  # the metrics of every measured step (on global rank 0)
 
     @staticmethod
-    def _strategy(trainer: pl.Trainer) -> PipelineParallelStrategy:
-        if not isinstance(trainer.strategy, PipelineParallelStrategy):
+    def _telemetry(trainer: pl.Trainer) -> PipelineTelemetry:
+        """What the strategy shows of the pipeline (see :class:`~lightning_pp.telemetry.PipelineTelemetry`)."""
+        telemetry = getattr(trainer.strategy, "telemetry", None)
+        if not isinstance(telemetry, PipelineTelemetry):
             raise PipelineConfigError(
                 f"PipelineMonitor needs Trainer(strategy=PipelineParallelStrategy(...)), got "
                 f"{type(trainer.strategy).__name__}."
             )
-        return trainer.strategy
+        return telemetry
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        strategy = self._strategy(trainer)
+        telemetry = self._telemetry(trainer)
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            dist.barrier(group=strategy.object_group)
+            dist.barrier(group=telemetry.object_group)
             now = time.perf_counter()
             clocks: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(clocks, (socket.gethostname(), now), group=strategy.object_group)
+            dist.all_gather_object(clocks, (socket.gethostname(), now), group=telemetry.object_group)
             self._clock_offsets = clock_offsets(clocks)
 
     def _measuring(self, trainer: pl.Trainer) -> bool:
@@ -183,14 +188,14 @@ class PipelineMonitor(pl.Callback):
     @override
     def on_train_batch_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule, batch: Any,
                              batch_idx: int) -> None:
-        strategy = self._strategy(trainer)
+        telemetry = self._telemetry(trainer)
         measuring = self._measuring(trainer)
-        strategy.timing_sink = self._receive if measuring else None
+        telemetry.timing_sink = self._receive if measuring else None
         self._stop_meter()
         if measuring:
-            view = _stage_view(strategy)
+            view = _stage_view(telemetry)
             # packs only happen in forward passes, which set the view's stage first
-            self._meter = step_memory_meter(pl_module, strategy.root_device, stage_of=lambda: view.stage)
+            self._meter = step_memory_meter(pl_module, telemetry.device, stage_of=lambda: view.stage)
             self._metering.enter_context(self._meter.measure())
 
     def _stop_meter(self) -> SavedTensorMeter | AllocatorPeakMeter | None:
@@ -199,10 +204,10 @@ class PipelineMonitor(pl.Callback):
         meter, self._meter = self._meter, None
         return meter
 
-    def _stage_memory(self, strategy: PipelineParallelStrategy, module: pl.LightningModule,
+    def _stage_memory(self, telemetry: PipelineTelemetry, module: pl.LightningModule,
                       meter: SavedTensorMeter | AllocatorPeakMeter | None) -> dict[int, tuple[int, int]]:
         """Per stage of this rank: (peak bytes of the step, parameter bytes held now)."""
-        view = _stage_view(strategy)
+        view = _stage_view(telemetry)
         params = stage_parameter_bytes(module, {stage: view.blocks_of(stage) for stage in view.stages})
         if isinstance(meter, SavedTensorMeter):
             return {stage: (meter.stage_peaks.get(stage, 0), params[stage]) for stage in view.stages}
@@ -216,26 +221,26 @@ class PipelineMonitor(pl.Callback):
     @override
     def on_train_batch_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any,
                            batch_idx: int) -> None:
-        strategy = self._strategy(trainer)
-        strategy.timing_sink = None
+        telemetry = self._telemetry(trainer)
+        telemetry.timing_sink = None
         meter = self._stop_meter()
         if self._events is None:
             return
         events, self._events = self._events, None
-        grad_sync_ms, strategy.last_grad_sync_ms = strategy.last_grad_sync_ms, None
+        grad_sync_ms, telemetry.last_grad_sync_ms = telemetry.last_grad_sync_ms, None
         step = trainer.global_step - 1  # the step that was just taken
         # the pipeline of replica 0 (the others run the same schedule on other samples)
         rows = ([(e.stage, e.rank, str(e.action), e.category, e.start, e.end) for e in events]
-                if strategy.replica == 0 else [])
-        own_memory = self._stage_memory(strategy, pl_module, meter) if strategy.replica == 0 else {}
-        mine = (strategy.stage, rows, grad_sync_ms, own_memory)  # strategy.stage: this rank's place in its pipeline
+                if telemetry.replica == 0 else [])
+        own_memory = self._stage_memory(telemetry, pl_module, meter) if telemetry.replica == 0 else {}
+        mine = (telemetry.stage, rows, grad_sync_ms, own_memory)  # telemetry.stage: this rank's place in its pipeline
         gathered: list[Any] = [mine]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
             gathered = [None] * dist.get_world_size() if trainer.is_global_zero else []
-            dist.gather_object(mine, gathered if trainer.is_global_zero else None, dst=0, group=strategy.object_group)
+            dist.gather_object(mine, gathered if trainer.is_global_zero else None, dst=0, group=telemetry.object_group)
         if not trainer.is_global_zero:
             return
-        schedule = strategy.last_schedule
+        schedule = telemetry.last_schedule
         assert schedule is not None  # set by the timed training step whose events these are
         timeline = Timeline(schedule.num_ranks, stage_to_rank=schedule.stage_to_rank)
         sync_ms: dict[int, float] = {}
@@ -285,7 +290,7 @@ class PipelineMonitor(pl.Callback):
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         if trainer.is_global_zero and not trainer.loggers and self.history:
-            schedule = self._strategy(trainer).last_schedule
+            schedule = self._telemetry(trainer).last_schedule
             assert schedule is not None  # there is history: a measured training step ran
             print(summary_table(self.history, schedule.stage_to_rank))
 
@@ -298,11 +303,10 @@ def clock_offsets(readings: list[tuple[str, float]]) -> list[float]:
     return [0.0 if host == host_zero else clock - clock_zero for host, clock in readings]
 
 
-def _stage_view(strategy: PipelineParallelStrategy) -> StageView:
+def _stage_view(telemetry: PipelineTelemetry) -> StageView:
     """The rank's view of the block container: its stages, their blocks, and the stage the current pass runs."""
-    driver = strategy._driver  # set up before training starts
-    assert driver is not None
-    return driver.view
+    assert telemetry.view is not None  # set up before training starts
+    return telemetry.view
 
 
 def _measured_costs(timeline: Timeline) -> Any:

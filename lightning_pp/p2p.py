@@ -56,8 +56,8 @@ from lightning_pp._tree import (
     unflatten,
     unpack,
 )
+from lightning_pp.actions import Action, ActionType
 from lightning_pp.errors import PipelineCommError, PipelineConfigError, PipelineTimeoutError
-from lightning_pp.schedules import Action, ActionType
 
 __all__ = ["StageP2P"]
 

@@ -9,11 +9,11 @@ from typing import Any
 import torch
 
 from lightning_pp._tree import flatten, map_tensors
+from lightning_pp.actions import Action, ActionType, Schedule
 from lightning_pp.backward import WeightGradients, backward_input, backward_weight
 from lightning_pp.errors import PipelineScheduleError
 from lightning_pp.p2p import StageP2P
-from lightning_pp.schedules import Action, ActionType, Schedule
-from lightning_pp.simulate import CATEGORY_OF, COMM_TRANSFER, COMM_WAIT, TimelineEvent
+from lightning_pp.timeline import CATEGORY_OF, COMM_TRANSFER, COMM_WAIT, TimelineEvent
 
 __all__ = ["EventClock", "ForwardFn", "HostClock", "run_stage", "step_clock"]
 

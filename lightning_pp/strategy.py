@@ -37,6 +37,7 @@ from lightning_pp._allocator import keep_freed_cpu_memory
 from lightning_pp._failures import FailureSignal
 from lightning_pp._logs import LogRecorder
 from lightning_pp._nccl_emulation import ENV_VAR, emulating_nccl
+from lightning_pp.actions import Schedule
 from lightning_pp.checkpoint import NAMES_KEY, indexed_to_named, load_named, merge_named, named_state, named_to_indexed
 from lightning_pp.errors import PipelineCommError, PipelineConfigError
 from lightning_pp.grads import PipelineGradients, broadcast_tensors
@@ -46,8 +47,8 @@ from lightning_pp.model.results import outputs_read
 from lightning_pp.model.split import Partition, is_split, split_module
 from lightning_pp.model.step import StepDriver
 from lightning_pp.p2p import StageP2P
-from lightning_pp.schedules import GENERATORS, Schedule, build_schedule, forward_sweep, load_csv
-from lightning_pp.simulate import TimelineEvent
+from lightning_pp.schedules import GENERATORS, build_schedule, forward_sweep, load_csv
+from lightning_pp.telemetry import PipelineTelemetry
 from lightning_pp.topology import PipelineLayout, StageGroups, create_groups, create_sharing_groups
 
 __all__ = ["PipelineParallelStrategy"]
@@ -315,9 +316,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._failures: FailureSignal | None = None
         self._schedules: dict[tuple[int, bool], Schedule] = {}
         self._log_recorder = LogRecorder()
-        # set by PipelineMonitor: receives a timed step's events and sample count; None keeps the timing off
-        self.timing_sink: Callable[[list[TimelineEvent], int], None] | None = None
-        self.last_grad_sync_ms: float | None = None  # gradient sync of the latest timed step (PipelineMonitor)
+        self.telemetry = PipelineTelemetry()  # what PipelineMonitor reads, and its request for a timed step
 
     # ------------------------------------------------------------------------------------------------ Lightning wiring
 
@@ -375,11 +374,6 @@ class PipelineParallelStrategy(ParallelStrategy):
     def last_grad_sync_bytes(self) -> int:
         """Gradient bytes this rank all-reduced at the latest optimizer step (replicas' average, shared weights)."""
         return self._grads.last_bytes if self._grads is not None else 0
-
-    @property
-    def last_schedule(self) -> Schedule | None:
-        """The schedule of the latest training step (what PipelineMonitor draws)."""
-        return self._driver.last_schedule if self._driver is not None else None
 
     @property
     def is_distributed(self) -> bool:
@@ -544,6 +538,8 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._driver = StepDriver(module, partition.view, self._p2p, self._log_recorder, self.root_device,
                                   self._schedule, self.microbatches, self._microbatch_weight, pipeline_groups,
                                   position=self.stage, shared=shared)
+        self.telemetry = PipelineTelemetry(device=self.root_device, stage=self.stage, replica=self.replica,
+                                           object_group=self.object_group, view=partition.view)
 
     def _setup_optimizers_on_every_stage(self, trainer: pl.Trainer) -> None:
         """``configure_optimizers`` sees only this stage's parameters, so it may fail on some stages alone (an empty
@@ -773,12 +769,15 @@ class PipelineParallelStrategy(ParallelStrategy):
         training = step_name == "training_step"
         if training and self._placement is not None and self._placement.wants_observation():
             self._placement.observe()
-        return self._driver.run(
+        result = self._driver.run(
             step_name, args, kwargs, collective=self._collective,
             accumulation=self.lightning_module.trainer.accumulate_grad_batches if training else 1,
             scaler=self._grad_scaler() if training else None,
-            timing_sink=self.timing_sink,
+            timing_sink=self.telemetry.timing_sink,
         )
+        if training:
+            self.telemetry.last_schedule = self._driver.last_schedule
+        return result
 
     def _grad_scaler(self) -> torch.amp.GradScaler | None:
         scaler = getattr(self.precision_plugin, "scaler", None)
@@ -802,7 +801,7 @@ class PipelineParallelStrategy(ParallelStrategy):
             if self._placement is not None and self._placement.observation is not None:
                 with self._collective("agreeing on which ranks use the weights outside the blocks"):
                     self._place_outside_weights(self._placement, self._grads)
-            timed = self.timing_sink is not None and self._world > 1
+            timed = self.telemetry.timing_sink is not None and self._world > 1
             if timed:  # for PipelineMonitor: wait for the queued work first, so the clock reads the collectives alone
                 _synchronize(self.root_device)
                 started = time.perf_counter()
@@ -810,7 +809,7 @@ class PipelineParallelStrategy(ParallelStrategy):
                 self._grads.synchronize([p for p in module.parameters() if p.requires_grad])
             if timed:
                 _synchronize(self.root_device)
-                self.last_grad_sync_ms = 1e3 * (time.perf_counter() - started)
+                self.telemetry.last_grad_sync_ms = 1e3 * (time.perf_counter() - started)
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss

@@ -51,7 +51,9 @@ _PLAIN = (type(None), bool, int, float, str)
 
 _BATCH_END = {"training_step": "on_train_batch_end", "validation_step": "on_validation_batch_end",
               "test_step": "on_test_batch_end", "predict_step": "on_predict_batch_end"}
-# where a batch-end hook defined by one of these is the callback's (or the module's), it ignores the step's outputs
+# where a batch-end hook defined by one of these is the callback's (or the module's), it ignores the step's outputs;
+# so does one defined by a class that says so in its own body (`ignores_step_outputs = True`: PipelineMonitor), which a
+# subclass overriding the hook does not inherit
 _IGNORE_OUTPUTS = (Callback, ModelHooks, TQDMProgressBar, RichProgressBar, ModelCheckpoint, Timer, DeviceStatsMonitor,
                    ThroughputMonitor, WeightAveraging)
 
@@ -60,8 +62,6 @@ def outputs_read(trainer: pl.Trainer, step_name: str) -> bool:
     """Whether anything on this rank reads what ``step_name`` returns beyond a training loss: ``trainer.predict``'s
     returned predictions, or a batch-end hook of a callback or the LightningModule (a prediction writer's included)
     other than Lightning's own callbacks that ignore it."""
-    from lightning_pp.monitor import PipelineMonitor  # the monitor imports the strategy, which imports this module
-
     if step_name == "predict_step" and trainer.predict_loop.return_predictions:
         return True
     hook = _BATCH_END[step_name]
@@ -71,7 +71,8 @@ def outputs_read(trainer: pl.Trainer, step_name: str) -> bool:
 
     callbacks: list[Callback] = trainer.callbacks  # type: ignore[attr-defined]  # set in Trainer.__init__
     readers = [*callbacks, trainer.lightning_module]
-    return any(defined_by(obj) not in (*_IGNORE_OUTPUTS, PipelineMonitor) for obj in readers)
+    return any(defined_by(obj) not in _IGNORE_OUTPUTS and not vars(defined_by(obj)).get("ignores_step_outputs", False)
+               for obj in readers)
 
 
 class _Slot:

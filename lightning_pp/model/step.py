@@ -23,14 +23,14 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_pp._logs import LogRecorder, replay
+from lightning_pp.actions import Schedule
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.microbatch import batch_size, merge_microbatches, split_batch
 from lightning_pp.model.results import ResultExchange
 from lightning_pp.model.stage import StageOutput, StageView
 from lightning_pp.p2p import StageP2P
 from lightning_pp.runtime import run_stage, step_clock
-from lightning_pp.schedules import Schedule
-from lightning_pp.simulate import TimelineEvent
+from lightning_pp.timeline import TimelineEvent
 from lightning_pp.topology import StageGroups
 
 __all__ = ["StepDriver", "StepRandomness"]

@@ -1,0 +1,34 @@
+"""What :class:`~lightning_pp.monitor.PipelineMonitor` reads of a running pipeline, and how it asks for a timed step.
+
+The strategy owns one :class:`PipelineTelemetry` (``strategy.telemetry``) and keeps it current; the monitor talks to it
+alone, so the monitor (a Lightning callback, like the strategy an edge of the package) needs nothing of the strategy.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch
+
+from lightning_pp.actions import Schedule
+from lightning_pp.model.stage import StageView
+from lightning_pp.timeline import TimelineEvent
+
+__all__ = ["PipelineTelemetry"]
+
+
+@dataclass
+class PipelineTelemetry:
+    """This rank's pipeline as a monitor sees it. Filled by the strategy at setup, except where noted."""
+
+    device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # the rank's device
+    stage: int = 0  # this rank's place in its pipeline
+    replica: int = 0  # which data-parallel copy of the pipeline this rank belongs to
+    object_group: Any = None  # the group for object collectives (None: the default group)
+    view: StageView | None = None  # the rank's stages and their blocks; which stage a pass runs
+    # set by the monitor: receives the next training step's timed events and its sample count (None: not timed)
+    timing_sink: Callable[[list[TimelineEvent], int], None] | None = None
+    last_schedule: Schedule | None = None  # the latest training step's schedule (set after each step)
+    last_grad_sync_ms: float | None = None  # the gradient sync of the latest timed step (set after each timed step)
