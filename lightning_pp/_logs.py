@@ -235,7 +235,7 @@ class LogRecorder:
                 forwards = [v.forward_value for _, v, _ in entries]
                 if forward_value is None and all(f is not None for f in forwards):
                     # the metric was not called through its forward in this step: keep what the step's calls gave
-                    forward_value = _weighted_mean(_stacked(forwards), sizes)
+                    forward_value = float(weighted_mean(stacked(forwards), sizes))
                 records.append((name, MetricRef(last_value.attribute, forward_value), options))
                 continue
             reduction = _REDUCTIONS.get(options["reduce_fx"])
@@ -244,8 +244,8 @@ class LogRecorder:
                     f"self.log({name!r}, reduce_fx={options['reduce_fx']!r}) cannot be combined over micro-batches; "
                     f"use one of 'mean', 'sum', 'max', 'min'."
                 )
-            values = _stacked([v for _, v, _ in entries])
-            combined = _weighted_mean(values, sizes) if reduction == "mean" else float(getattr(values, reduction)())
+            values = stacked([v for _, v, _ in entries])
+            combined = float(weighted_mean(values, sizes) if reduction == "mean" else getattr(values, reduction)())
             if options.get("batch_size") is not None:
                 options["batch_size"] = sum(int(o["batch_size"]) for _, _, o in entries)
             records.append((name, combined, options))
@@ -257,15 +257,16 @@ class LogRecorder:
         return records
 
 
-def _stacked(values: list[Any]) -> torch.Tensor:
+def stacked(values: list[Any]) -> torch.Tensor:
     """Logged scalars (on the device they were computed on, or the host) as one float64 tensor on the first's device."""
     device = values[0].device
     return torch.stack([v.to(device=device, dtype=torch.float64).reshape(()) for v in values])
 
 
-def _weighted_mean(values: torch.Tensor, weights: list[float]) -> float:
+def weighted_mean(values: torch.Tensor, weights: list[float]) -> torch.Tensor:
+    """The mean of ``values`` weighted by ``weights``, computed where ``values`` are (read it once, with ``float``)."""
     weight = torch.tensor(weights, dtype=torch.float64, device=values.device)
-    return float((values * weight).sum() / weight.sum())
+    return (values * weight).sum() / weight.sum()
 
 
 def replay(module: pl.LightningModule, records: list[LogRecord], updated_here: bool) -> None:

@@ -20,17 +20,17 @@ from __future__ import annotations
 import os
 import threading
 from datetime import timedelta
-from typing import Any
 
 import torch.distributed as dist
 
-__all__ = ["ENV_VAR", "EmulatedNcclWork", "emulating_nccl", "payload_work"]
+__all__ = ["ENV_VAR", "EmulatedNcclWork", "emulating_nccl"]
 
 ENV_VAR = "LIGHTNING_PP_NCCL_EMULATION"
 
 
 def emulating_nccl() -> bool:
-    """Whether this process emulates NCCL's control flow (``LIGHTNING_PP_NCCL_EMULATION`` set, and not to 0)."""
+    """Whether this process emulates NCCL's control flow (``LIGHTNING_PP_NCCL_EMULATION`` set, and not to 0). It acts
+    only where the backend is gloo: a real NCCL run takes the real branches. Set it alike on every rank."""
     return os.environ.get(ENV_VAR, "0").strip().lower() not in ("", "0", "false", "no")
 
 
@@ -48,8 +48,8 @@ class EmulatedNcclWork:
         threading.Thread(target=self._complete, name="lightning_pp-nccl-emulation", daemon=True).start()
 
     def _complete(self) -> None:
-        try:
-            self._work.wait()
+        try:  # bounded: a thread left waiting in gloo when its group is destroyed could abort the process
+            self._work.wait(timedelta(seconds=self._timeout_s))
         except BaseException as error:  # handed to whoever waits
             self._error = error
         finally:
@@ -65,8 +65,3 @@ class EmulatedNcclWork:
         if self._error is not None:
             raise RuntimeError(str(self._error)) from self._error
         return True
-
-
-def payload_work(work: Any, timeout_s: float) -> Any:
-    """``work`` as NCCL would hand it back (:class:`EmulatedNcclWork` when emulating, else unchanged)."""
-    return EmulatedNcclWork(work, timeout_s) if emulating_nccl() and work is not None else work

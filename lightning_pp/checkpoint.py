@@ -1,4 +1,5 @@
-"""Optimizer state keyed by parameter name: the form in which stages exchange, merge and re-key checkpoint state.
+"""Checkpoints of a pipelined module (:class:`StageCheckpoints`), and optimizer state keyed by parameter name: the
+form in which stages exchange, merge and re-key checkpoint state.
 
 torch numbers optimizer state by position (parameter ``i`` of the optimizer), which differs between a stage and the
 full model. Keying by parameter name lets a full checkpoint be re-keyed to the single-device numbering plain Lightning
@@ -7,15 +8,18 @@ expects, and lets any checkpoint (full, sharded, single-device, from another num
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import os
+from collections.abc import Callable, Mapping, Sequence
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from torch.optim import Optimizer
 
+from lightning_pp._compat import _optimizers_to_device
 from lightning_pp.errors import PipelineConfigError
 
-__all__ = ["indexed_to_named", "load_named", "merge_named", "named_state", "named_to_indexed"]
+__all__ = ["StageCheckpoints", "indexed_to_named", "load_named", "merge_named", "named_state", "named_to_indexed"]
 
 # {"groups": [hyper-parameters of each param group], "names": [[parameter names of each group]],
 #  "state": {parameter name: per-parameter state}}
@@ -106,3 +110,136 @@ def load_named(optimizer: Optimizer, named: NamedState, name_of: Mapping[int, st
     indexed = named_to_indexed({**named, "names": local_names})
     del indexed[NAMES_KEY]
     optimizer.load_state_dict(indexed)
+
+
+class StageCheckpoints:
+    """Saving and loading one rank's part of a pipelined module, in either format.
+
+    ``"full"``: the stages' state is gathered on global rank 0 (over ``object_group``) into the single-device layout,
+    so plain Lightning loads the file. ``"sharded"``: a folder with one file per stage (from replica 0) and the rest of
+    the checkpoint in ``checkpoint.pt``. Both load on any number of stages, as do single-device checkpoints, because
+    everything is matched by name.
+
+    ``not_on_last()`` names the state entries the last stage does not hold (weights used before the blocks only, see
+    ``outside_weights``); ``object_group()`` is the group for object collectives now (None: the default group; after
+    ``fit`` ends, a checkpoint saved by hand gathers over the default group); ``world``, ``rank``, ``stage``,
+    ``replica``, ``num_stages`` and ``rank_of(stage, replica)`` describe this rank's place.
+    """
+
+    def __init__(self, module: torch.nn.Module, partition: Any, not_on_last: Callable[[], set[str]], *, world: int,
+                 rank: int, stage: int, replica: int, num_stages: int, rank_of: Callable[[int, int], int],
+                 object_group: Callable[[], Any], device: torch.device) -> None:
+        self.module = module
+        self.partition = partition
+        self.not_on_last = not_on_last
+        self.world, self.rank, self.stage, self.replica, self.num_stages = world, rank, stage, replica, num_stages
+        self.rank_of = rank_of
+        self.object_group = object_group
+        self.device = device
+
+    def _name_of(self) -> dict[int, str]:
+        return {id(p): n for n, p in self.module.named_parameters()}
+
+    def _gather_on_zero(self, obj: Any) -> list[Any]:
+        """Every stage's ``obj`` of replica 0, in stage order, on global rank 0 (replicas hold the same state)."""
+        if self.world == 1:
+            return [obj]
+        gathered: list[Any] | None = [None] * self.world if self.rank == 0 else None
+        dist.gather_object(obj if self.replica == 0 else None, gathered, dst=0, group=self.object_group())
+        return [gathered[self.rank_of(stage, 0)] for stage in range(self.num_stages)] if gathered else []
+
+    def own_state(self) -> dict[str, torch.Tensor]:
+        """The state entries this stage holds alone (its blocks), plus, on the last stage, everything else it holds,
+        and elsewhere what the last stage does not hold.
+
+        Replicated parameters are equal on every stage, but buffers are not: modules after the blocks (a BatchNorm
+        head, say) run only on the last stage, which also runs those before it, so its copies are current.
+        """
+        view = self.partition.view
+        prefix = view.container_name + "."
+        last = view.num_stages - 1 in view.stages
+        elsewhere = self.not_on_last() if not last else set()
+        return {k: v.detach().cpu() for k, v in self.module.state_dict().items()
+                if k.startswith(prefix) or last or k in elsewhere}
+
+    def full_state_dict(self) -> dict[str, Any]:
+        """The whole module's state on global rank 0 (empty elsewhere), in the single-device key order."""
+        parts = self._gather_on_zero(self.own_state())
+        if self.rank != 0:
+            return {}
+        merged: dict[str, torch.Tensor] = {}
+        for part in parts:
+            merged.update(part)
+        return {key: merged[key] for key in self.partition.full_state_keys}
+
+    def optimizer_state(self, optimizer: Optimizer, full: bool) -> dict[str, Any]:
+        """This stage's optimizer state by parameter name, or (``full``) the whole model's, re-keyed as one device
+        numbers it, on global rank 0."""
+        named = named_state(getattr(optimizer, "_optimizer", optimizer), self._name_of())
+        if not full:
+            return named
+        parts = self._gather_on_zero(named)
+        return named_to_indexed(merge_named(parts, self.partition.full_param_order)) if parts else {}
+
+    def save_sharded(self, checkpoint: dict[str, Any], folder: str) -> None:
+        os.makedirs(folder, exist_ok=True)
+        if self.replica == 0:  # one copy per stage
+            shard = {"state_dict": self.own_state(), "optimizer_states": checkpoint.get("optimizer_states", [])}
+            torch.save(shard, os.path.join(folder, f"stage{self.stage}.pt"))
+        if self.rank == 0:
+            meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            meta["lightning_pp"] = {"format": "sharded", "num_stages": self.num_stages}
+            torch.save(meta, os.path.join(folder, "checkpoint.pt"))
+
+    def load_sharded(self, folder: str, weights_only: bool) -> dict[str, Any]:
+        """A sharded checkpoint as one checkpoint: this module's state entries, every stage's optimizer state merged."""
+        checkpoint = torch.load(os.path.join(folder, "checkpoint.pt"), map_location="cpu", weights_only=weights_only)
+        wanted = set(self.module.state_dict())
+        state: dict[str, torch.Tensor] = {}
+        optimizer_parts: list[list[Any]] = []
+        for stage in range(checkpoint["lightning_pp"]["num_stages"]):
+            shard = torch.load(os.path.join(folder, f"stage{stage}.pt"), map_location="cpu", weights_only=weights_only)
+            state.update({k: v for k, v in shard["state_dict"].items() if k in wanted})
+            optimizer_parts.append(shard["optimizer_states"])
+        checkpoint["state_dict"] = state
+        order = self.partition.full_param_order
+        checkpoint["optimizer_states"] = [
+            merge_named(list(parts), order) for parts in zip(*optimizer_parts, strict=True)
+        ]
+        return checkpoint
+
+    def load_module_state(self, saved: Mapping[str, Any], strict: bool) -> None:
+        local_keys = list(self.module.state_dict())
+        missing = [k for k in local_keys if k not in saved]
+        if missing and strict:
+            raise PipelineConfigError(
+                f"The checkpoint has no entries for {missing[:5]} (of {len(missing)} missing) of pipeline stage "
+                f"{self.stage}: it was saved from a different model."
+            )
+        self.module.load_state_dict({k: saved[k] for k in local_keys if k in saved}, strict=strict)
+
+    def load_optimizer_states(self, optimizers: Sequence[Any], states: Sequence[Mapping[str, Any]]) -> None:
+        """Load each optimizer's entries from a full, sharded or single-device checkpoint's optimizer states."""
+        name_of = self._name_of()
+        for optimizer, saved in zip(optimizers, states, strict=True):
+            inner = getattr(optimizer, "_optimizer", optimizer)
+            if "names" in saved and "groups" in saved:
+                named = dict(saved)
+            else:
+                names = saved.get(NAMES_KEY) or self._full_group_names(inner, name_of)
+                named = indexed_to_named(saved, names)
+            load_named(inner, named, name_of)
+            _optimizers_to_device([inner], self.device)
+
+    def _full_group_names(self, optimizer: Optimizer, name_of: dict[int, str]) -> list[list[str]]:
+        """Each param group's names as a single-device optimizer orders them: the module's parameter order.
+
+        Needed for checkpoints written by plain Lightning, which number parameters without naming them.
+        """
+        local = [[name_of[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+        parts: list[Any] = [local]
+        if self.world > 1:
+            parts = [None] * self.world
+            dist.all_gather_object(parts, local, group=self.object_group())
+        order = self.partition.full_param_order
+        return [sorted({n for part in parts for n in part[g]}, key=lambda n: order[n]) for g in range(len(local))]

@@ -69,6 +69,24 @@ class PipelineGradients:
         self.sharing_sets: set[frozenset[int]] = set()  # every set with a group (created by every rank)
         self.every_position = frozenset(range(groups.layout.num_stages))
         self.last_bytes = 0  # gradient bytes this rank all-reduced in the latest synchronize
+        self._installed: list[Callable[[], None]] = []  # what puts back what install replaced
+
+    def install(self, precision_plugin: Any, scaler: torch.amp.GradScaler | None) -> None:
+        """Route Lightning's norm clipping through :meth:`clip_by_global_norm` (Lightning clips by the norm of this
+        stage's gradients; the right norm spans every stage) and the fp16 scaler's unscale through
+        :meth:`unscale_agreeing` (a stage that finds inf/NaN must make every stage skip the step and back off the
+        scale alike), until :meth:`uninstall`."""
+        self._installed.append(_replace(precision_plugin, "clip_grad_by_norm", lambda optimizer, clip_val: (
+            self.clip_by_global_norm(precision_plugin.main_params(optimizer), clip_val))))
+        if scaler is not None:
+            local_unscale = scaler.unscale_
+            self._installed.append(_replace(scaler, "unscale_", lambda optimizer: (
+                self.unscale_agreeing(scaler, local_unscale, optimizer))))
+
+    def uninstall(self) -> None:
+        """Put back what :meth:`install` replaced."""
+        while self._installed:
+            self._installed.pop()()
 
     def positions_of(self, p: nn.Parameter) -> frozenset[int]:
         """The pipeline positions holding ``p``."""
@@ -165,3 +183,19 @@ class PipelineGradients:
             found[self.device] = verdict
         for value in found.values():
             value.copy_(verdict.to(value.device))
+
+
+def _replace(obj: Any, name: str, replacement: Callable[..., Any]) -> Callable[[], None]:
+    """Set the attribute ``name`` of ``obj`` to ``replacement``; return what puts the previous one back (the class's
+    method again, where the instance had none of its own)."""
+    own = vars(obj)
+    had, previous = name in own, own.get(name)
+    setattr(obj, name, replacement)
+
+    def restore() -> None:
+        if had:
+            setattr(obj, name, previous)
+        else:
+            delattr(obj, name)
+
+    return restore

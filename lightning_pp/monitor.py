@@ -179,7 +179,7 @@ class PipelineMonitor(pl.Callback):
             dist.barrier(group=telemetry.object_group)
             now = time.perf_counter()
             clocks: list[Any] = [None] * dist.get_world_size()
-            dist.all_gather_object(clocks, (socket.gethostname(), now), group=telemetry.object_group)
+            dist.all_gather_object(clocks, (_clock_source(), now), group=telemetry.object_group)
             self._clock_offsets = clock_offsets(clocks)
 
     def _measuring(self, trainer: pl.Trainer) -> bool:
@@ -295,9 +295,18 @@ class PipelineMonitor(pl.Callback):
             print(summary_table(self.history, schedule.stage_to_rank))
 
 
+def _clock_source() -> str:
+    """What identifies this machine's monotonic clock: its boot id on Linux (containers on one machine share it, and
+    two machines never do, even under one host name), else the host name."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return socket.gethostname()
+
+
 def clock_offsets(readings: list[tuple[str, float]]) -> list[float]:
-    """Each rank's clock minus global rank 0's, from (host name, ``perf_counter``) read by every rank right after a
-    barrier. Zero on rank 0's host: its ranks share one clock, and a correction would only add the barrier's exit
+    """Each rank's clock minus global rank 0's, from (clock source, ``perf_counter``) read by every rank right after
+    a barrier. Zero on rank 0's machine: its ranks share one clock, and a correction would only add the barrier's exit
     skew."""
     host_zero, clock_zero = readings[0]
     return [0.0 if host == host_zero else clock - clock_zero for host, clock in readings]

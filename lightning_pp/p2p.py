@@ -36,14 +36,14 @@ from __future__ import annotations
 
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import timedelta
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from lightning_pp._nccl_emulation import emulating_nccl, payload_work
+from lightning_pp._nccl_emulation import EmulatedNcclWork, emulating_nccl
 from lightning_pp._tree import (
     Layout,
     Spec,
@@ -58,8 +58,9 @@ from lightning_pp._tree import (
 )
 from lightning_pp.actions import Action, ActionType
 from lightning_pp.errors import PipelineCommError, PipelineConfigError, PipelineTimeoutError
+from lightning_pp.topology import StageGroups, create_groups
 
-__all__ = ["StageP2P"]
+__all__ = ["StageP2P", "connect_stages"]
 
 _DTYPES = (
     torch.float32, torch.float16, torch.bfloat16, torch.float64,
@@ -131,9 +132,11 @@ class StageP2P:
         # per kind and direction (activations up, down, gradients up, down, in rank order)
         self.groups = tuple(groups)
         self.header_groups = tuple(header_groups) if header_groups is not None else None
+        # NCCL's control flow on gloo (LIGHTNING_PP_NCCL_EMULATION, for CI): payload operations behave as NCCL's
+        self._emulate = emulating_nccl() and dist.get_backend(groups[0]) == "gloo"
         # NCCL's Work.wait does not block the host, so bound its wait by polling; gloo's wait takes a timeout itself
         # (and so do the headers' gloo groups on NCCL, whose operations report completion only once waited for)
-        self._poll = dist.get_backend(groups[0]) != "gloo" or emulating_nccl()
+        self._poll = dist.get_backend(groups[0]) != "gloo" or self._emulate
         # headers on the host (gloo) may be received ahead; NCCL receives are posted when their action runs
         self._prefetch = 0 if self._poll and self.header_groups is None else prefetch
         # (source stage, destination stage, micro-batch) -> layout and structure of the last transfer; both ends agree
@@ -147,7 +150,8 @@ class StageP2P:
         self._pending_sends: deque[_PendingSend] = deque()
         # NCCL: payload operations of consecutive transfer actions, posted together by :meth:`flush`
         self._batch: list[tuple[Action, dist.P2POp]] = []
-        self._pending_recvs: list[tuple[Action, list[dist.Work]]] = []  # posted payload receives, checked at step end
+        # posted payload batches holding receives (and the buffers they use), checked at the step's end
+        self._pending_recvs: list[tuple[Action, list[dist.Work], list[torch.Tensor]]] = []
 
     def start_step(self, actions: Sequence[Action]) -> None:
         """Queue this step's receives in order and post the first ``prefetch`` of each direction."""
@@ -219,7 +223,7 @@ class StageP2P:
             raise self._error(action, "posting the send", error) from error
         polled = self._poll and not on_host
         if polled:
-            works = [payload_work(work, self.timeout) for work in works]
+            works = [self._as_nccl(work) for work in works]
         self._pending_sends.append((action, works, [buffer for buffer, _ in messages], polled))
 
     def _reap_sends(self) -> None:
@@ -227,7 +231,7 @@ class StageP2P:
         oldest: on NCCL the headers' gloo sends report completion only once waited for, at the step's end."""
         still: deque[_PendingSend] = deque()
         for action, works, buffers, polled in self._pending_sends:
-            if all(work.is_completed() for work in works):
+            if polled and all(work.is_completed() for work in works):  # gloo: only once waited for
                 for work in works:  # completed: returns at once, and raises what the transfer failed with
                     self._wait(work, action, "completing the send", polled)
             else:
@@ -283,16 +287,23 @@ class StageP2P:
                 if grad and payload.is_floating_point():
                     payload.requires_grad_()
         spec = self._specs[key]
-        if self.header_groups is not None and has_nested(spec):
+        if self.header_groups is not None and spec != _TENSOR_SPEC and has_nested(spec):
             # rebuilding a nested tensor reads its sizes and copies its values: their receives must be posted (and
             # waited for) first. Nested tensors cross only in evaluation, where nothing is gained by deferring them
             self.flush()
         return payloads[0] if spec == _TENSOR_SPEC else unflatten(spec, payloads), header_arrived
 
+    @property
+    def batched(self) -> bool:
+        """Whether payload operations wait for :meth:`flush` to post them."""
+        return bool(self._batch)
+
     def flush(self) -> Action | None:
-        """Post the payloads of the transfers since the last flush together (NCCL, ``header_groups``): one
-        ``batch_isend_irecv`` per process group. The current stream then waits for batches holding receives; the
-        host does not wait. Returns the first receive action among them (None if there was none)."""
+        """Post the payloads of the transfers since the last flush together (``header_groups``): one
+        ``batch_isend_irecv`` per process group, every group's posted before any is waited for (a receive in one
+        group must not hold back a send in another). On NCCL the current stream then waits for the batches holding
+        receives, the host does not; on gloo the host waits. Returns the first receive action among them (None if
+        there was none)."""
         if not self._batch:
             return None
         first_receive = next((action for action, op in self._batch if op.op is dist.irecv), None)
@@ -300,32 +311,34 @@ class StageP2P:
         for entry in self._batch:
             by_group.setdefault(id(entry[1].group), []).append(entry)
         self._batch = []
+        posted: list[tuple[list[tuple[Action, dist.P2POp]], list[dist.Work]]] = []
         for entries in by_group.values():
-            action = entries[0][0]
             try:
-                posted = dist.batch_isend_irecv([op for _, op in entries])
-                works = [payload_work(_posted(work), self.timeout) for work in posted]
+                works = [self._as_nccl(_posted(w)) for w in dist.batch_isend_irecv([op for _, op in entries])]
             except RuntimeError as error:
-                raise self._error(action, "posting the transfers", error) from error
+                raise self._error(entries[0][0], "posting the transfers", error) from error
+            posted.append((entries, works))
+        for entries, works in posted:
             receives = [a for a, op in entries if op.op is dist.irecv]
+            buffers = [op.tensor for _, op in entries]
             if receives and self._poll:
                 try:
                     for work in works:
                         work.wait()  # NCCL: the current stream waits for the batch, the host does not
                 except RuntimeError as error:
                     raise self._error(receives[0], "receiving the tensor", error) from error
-                self._pending_recvs.append((receives[0], works))  # the host checks them at the step's end
+                self._pending_recvs.append((receives[0], works, buffers))  # the host checks them at the step's end
             elif receives:  # gloo (tests): a second wait of a receive would wait for another message
                 for work in works:
                     self._wait(work, receives[0], "receiving the tensor", polled=False)
             else:
-                self._pending_sends.append((action, works, [op.tensor for _, op in entries], self._poll))
+                self._pending_sends.append((entries[0][0], works, buffers, self._poll))
         return first_receive
 
     def wait_sends(self) -> None:
         """Wait until every posted transfer has completed; called once per step so send buffers can be freed."""
         self.flush()
-        for action, works in self._pending_recvs:
+        for action, works, _ in self._pending_recvs:
             for work in works:
                 self._wait(work, action, "receiving the tensor", self._poll)
         self._pending_recvs.clear()
@@ -376,7 +389,11 @@ class StageP2P:
             work = _posted(dist.irecv(buffer, self.stage_ranks[action.peer], group=self._group_of(action), tag=tag))
         except RuntimeError as error:
             raise self._error(action, "posting the receive", error) from error
-        return payload_work(work, self.timeout) if self._poll else work
+        return self._as_nccl(work) if self._poll else work
+
+    def _as_nccl(self, work: dist.Work) -> dist.Work:
+        """A payload operation as NCCL's behaves (under the emulation; else ``work`` itself)."""
+        return EmulatedNcclWork(work, self.timeout) if self._emulate else work  # type: ignore[return-value]
 
     def _wait(self, work: dist.Work, action: Action, what: str, polled: bool) -> None:
         """Wait for ``work``, at most ``timeout`` seconds: ``polled`` (NCCL's payloads, whose ``wait`` does not
@@ -407,3 +424,20 @@ class StageP2P:
             f"The peer has probably crashed or is stuck: look at its output for the first error. If a stage "
             f"legitimately needs longer, raise PipelineParallelStrategy(timeout=...)."
         )
+
+
+def connect_stages(groups: StageGroups, stage_to_rank: Sequence[int], device: torch.device, timeout: float,
+                   new_gloo_group: Callable[[list[int]], Any]) -> StageP2P:
+    """The transfers of this rank's stages (``stage_to_rank``: the schedule's place of each stage in the pipeline)
+    over ``groups.p2p``. On NCCL (or its emulation) the headers travel on the host, in gloo groups of their own made
+    with ``new_gloo_group`` (every rank creates them alike; they join ``groups.created``), after a warm-up collective
+    on each payload group: ``batch_isend_irecv`` needs a group's first call to involve all its ranks."""
+    stage_ranks = [groups.pipeline_ranks[position] for position in stage_to_rank]
+    header_groups = None
+    if dist.get_backend(groups.p2p[0]) != "gloo" or emulating_nccl():
+        for group in groups.p2p:
+            dist.all_reduce(torch.zeros(1, device=device), group=group)
+        on_host = create_groups(groups.layout, groups.rank, new_gloo_group, p2p_groups=len(groups.p2p))
+        groups.created.extend(on_host.created)
+        header_groups = on_host.p2p
+    return StageP2P(stage_ranks, device, timeout, groups.p2p, header_groups=header_groups)

@@ -134,13 +134,14 @@ def run_stage(
         stage, mb = action.stage, action.microbatch
         key = (stage, mb)
         kind = action.type
-        if p2p is not None and kind in _COMPUTE:
-            # batched payloads (NCCL) are posted before what may use them, and the stream waits for them there: timed
-            # as the transfer of the receive they belong to, before the compute's own start
+        if p2p is not None and kind in _COMPUTE and p2p.batched:
+            # batched payloads (NCCL) are posted before what may use them, and the stream waits for them there: mostly
+            # for the peer to compute them (its header left when its host queued the work), so timed as waiting for
+            # the receive they belong to, before the compute's own start
             posted = timer.now() if timer is not None else None
             receive = p2p.flush()
             if timer is not None and receive is not None:
-                stamps.append((receive, COMM_TRANSFER, posted, None, timer.now()))
+                stamps.append((receive, COMM_WAIT, posted, None, timer.now()))
         start = timer.now() if timer is not None else None
         header_arrived = None
         if kind is ActionType.FORWARD:

@@ -1,0 +1,113 @@
+"""Building this rank's stage from the user's module at setup: split the blocks, bring back what an earlier run placed
+elsewhere, create the process groups, start every rank from the same weights; and, after the first observed training
+step, keep each weight outside the blocks only where it is used."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import weakref
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import Tensor, nn
+
+from lightning_pp.actions import Schedule
+from lightning_pp.grads import PipelineGradients, broadcast_tensors
+from lightning_pp.model.placement import WeightPlacement
+from lightning_pp.model.split import Partition, is_split, split_module
+from lightning_pp.topology import PipelineLayout, StageGroups, create_groups, create_sharing_groups
+
+__all__ = ["StageAssembly", "assemble_stage", "place_outside_weights", "placement_of"]
+
+log = logging.getLogger(__name__)
+# where an earlier run in this process left the weights outside the blocks of a module (some ranks only)
+_PLACEMENTS: weakref.WeakKeyDictionary[nn.Module, WeightPlacement] = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class StageAssembly:
+    """What setup made of the module on this rank."""
+
+    partition: Partition
+    groups: StageGroups
+    shared: list[nn.Parameter]  # the parameters outside the blocks (every rank holds them until placed)
+    grads: PipelineGradients
+    placement: WeightPlacement | None  # where the weights outside the blocks are kept (None: on every rank)
+
+
+def placement_of(module: nn.Module) -> WeightPlacement | None:
+    """The placement an earlier run made of ``module``'s weights outside the blocks, if any."""
+    return _PLACEMENTS.get(module)
+
+
+def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout, rank: int, *, blocks: str | None,
+                   balance: Sequence[int] | None, recompute_every: int, device: torch.device,
+                   new_group: Callable[[list[int]], Any], to_device: Callable[[], None],
+                   place_where_used: bool) -> StageAssembly:
+    """Split ``module`` into this rank's stages of ``schedule`` (a later run on the same module keeps what the earlier
+    one trained), move it with ``to_device``, create the groups, and start every rank from the same weights: rank 0's
+    outside the blocks and replica 0's blocks, as DDP starts. ``place_where_used``: a training run that places the
+    weights outside the blocks where they are used (``outside_weights="where_used"``)."""
+    stage = layout.stage_of(rank)
+    fresh = not is_split(module)
+    partition = split_module(module, blocks, balance, schedule.stages_of(stage), schedule.num_stages)
+    if recompute_every:
+        partition.view.checkpoint_blocks(recompute_every)
+    placement = _PLACEMENTS.get(module)
+    if placement is not None:  # an earlier run may have left some weights on some ranks only
+        placement.restore(lambda tensors, position: broadcast_tensors(tensors, layout.rank(position, 0), None,
+                                                                      device))
+    to_device()
+    groups = create_groups(layout, rank, new_group, p2p_groups=2 if schedule.stages_per_rank == 1 else 4,
+                           last_position=schedule.stage_to_rank[-1])
+    if rank == 0 and layout.num_replicas > 1:
+        print(f"lightning_pp: {layout}")
+    shared, shared_buffers = partition.shared_tensors(module)
+    if layout.world_size > 1 and fresh:
+        # later runs: the placement's restore above brought each weight back from a rank that held it; a head's
+        # buffers stay current where it ran
+        broadcast_tensors([*shared, *shared_buffers], 0, None, device)
+    if layout.num_replicas > 1:
+        everywhere = {id(t) for t in (*shared, *shared_buffers)}
+        own = [t for t in (*module.parameters(), *module.buffers()) if id(t) not in everywhere]
+        broadcast_tensors(own, layout.rank(stage, 0), groups.replicas, device)
+    if place_where_used and placement is None:
+        placement = _PLACEMENTS[module] = WeightPlacement(module, shared, stage, layout.num_stages)
+    partition.view.pass_context = placement.reads if placement is not None else contextlib.nullcontext
+    return StageAssembly(partition, groups, shared, PipelineGradients(shared, groups, device), placement)
+
+
+def place_outside_weights(assembly: StageAssembly, optimizers: Sequence[Any], device: torch.device,
+                          new_group: Callable[[list[int]], Any]) -> list[nn.Parameter]:
+    """After an observed step: keep each weight outside the blocks only where it is used, give the weights shared by
+    some stages (a tied embedding and head) a group to sum their gradients in, and return those this rank holds."""
+    placement, grads, groups = assembly.placement, assembly.grads, assembly.groups
+    assert placement is not None
+    layout, rank = groups.layout, groups.rank
+
+    def any_rank(flags: Tensor) -> Tensor:
+        flags = flags.to(device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MAX)
+        return flags.cpu()
+
+    def every_rank(flags: Tensor) -> Tensor:
+        gathered = [torch.zeros_like(flags, device=device) for _ in range(layout.world_size)]
+        dist.all_gather(gathered, flags.to(device))
+        return torch.stack(gathered).cpu()
+
+    lines = placement.decide(any_rank, every_rank, layout.stage_of, [getattr(o, "_optimizer", o) for o in optimizers])
+    log.info(lines[0])
+    for line in lines[1:]:  # weights kept on a rank that does not use them: worth a user's look
+        log.warning(line)
+    shared_by = {s for s in placement.users.values() if len(s) > 1} - grads.sharing_sets
+    if shared_by:  # the same sets on every rank: `users` came from every rank's flags
+        created = create_sharing_groups(layout, shared_by, rank, new_group)
+        grads.sharing_sets |= shared_by
+        grads.sharing_groups.update(created)
+        groups.created.extend(created.values())
+    grads.users = placement.users
+    return placement.held()

@@ -1,0 +1,253 @@
+"""The options of :class:`~lightning_pp.PipelineParallelStrategy`: one keyword-only dataclass, each field documented
+and checked on construction (before any process starts), and the checks that need the world size
+(:meth:`PipelineOptions.check_world`, run in the launching process and again on every rank before any collective)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from datetime import timedelta
+from typing import Any
+
+from torch.distributed.constants import default_pg_timeout
+
+from lightning_pp.actions import Schedule
+from lightning_pp.errors import PipelineConfigError
+from lightning_pp.model.balance import BALANCE_MODES
+from lightning_pp.schedules import GENERATORS, load_csv
+
+__all__ = ["PipelineOptions", "check"]
+
+BACKENDS = ("gloo", "nccl")
+_STAGES_PER_RANK = {"interleaved_1f1b": (2, sys.maxsize), "zbv": (2, 2)}  # (least and default, most); others 1
+
+
+def check(ok: bool, message: str) -> None:
+    """Raise :class:`PipelineConfigError` with ``message`` unless ``ok``."""
+    if not ok:
+        raise PipelineConfigError(message)
+
+
+def _is_int(value: Any) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _seconds(value: Any) -> float | None:
+    if isinstance(value, timedelta):
+        return value.total_seconds()
+    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+
+
+@dataclass(kw_only=True)
+class PipelineOptions:
+    """How to pipeline: every argument of :class:`~lightning_pp.PipelineParallelStrategy` but Lightning's own.
+
+    Raises:
+        PipelineConfigError: on construction, for an argument of the wrong type or value (the message names the
+            argument, the value and the fix).
+    """
+
+    schedule: str | os.PathLike[str] = "1f1b"
+    """``"naive"`` (one micro-batch at a time), ``"gpipe"`` (all forwards, then all backwards), ``"1f1b"`` (one forward
+    one backward; activation memory bounded by the number of stages), ``"interleaved_1f1b"`` (``stages_per_rank``
+    stages per rank, round-robin: a bubble ``stages_per_rank`` times smaller), ``"zb_h1"`` (backward split into input
+    and weight gradients, the weight part deferred into the bubble), ``"zbv"`` (zero bubble with 2 stages per rank in a
+    V), or the path of a ``.csv`` file with one row of compute actions per rank in torch.distributed.pipelining's
+    format (it fixes the micro-batch count)."""
+    pipeline_parallel_size: int | None = None
+    """Ranks per pipeline; the world size must be a multiple of it. ``None``: the world size (one pipeline, no data
+    parallelism)."""
+    stages_per_rank: int | None = None
+    """Stages each rank holds: 2 or more for ``"interleaved_1f1b"`` (default 2), 2 for ``"zbv"``, 1 otherwise; the
+    blocks are split into ``stages_per_rank x pipeline_parallel_size`` stages."""
+    microbatches: int | None = None
+    """Micro-batches per batch; ``None`` means twice the number of ranks per pipeline. A batch with fewer samples is
+    split into one micro-batch per sample (or fewer, where the schedule's rule asks)."""
+    blocks: str | None = None
+    """Dotted path of the block container to split (``"model.transformer.h"``); by default the container of repeated
+    blocks holding the most parameters."""
+    sequential: str | None = None
+    """The former name of ``blocks``."""
+    balance: Sequence[int] | str | None = None
+    """How the blocks are split into stages (``stages_per_rank x pipeline_parallel_size`` of them), each a contiguous
+    run of at least one block: ``"uniform"`` (or ``None``, the default) an even split of the block count; ``"params"``
+    even parameter counts (the blocks' own); ``"time"`` the split whose slowest stage is fastest, by each block's
+    forward and backward time measured on global rank 0 on micro-batch 0 of the first training batch (the first stage
+    also pays the step's work before the blocks, the last the head and loss), broadcast to every rank (outside ``fit``
+    it falls back to ``"params"``); or a list of blocks per stage summing to the container's length. The split is made
+    in the first run on a module; later runs on it keep it."""
+    timeout: float = 300.0
+    """Seconds a stage waits for a peer's transfer before raising :class:`~lightning_pp.PipelineTimeoutError` naming
+    the stage, the action and the peer; a rank still alive this long (plus 5 s) after another rank of the job failed
+    ends itself."""
+    process_group_timeout: float | timedelta | None = None
+    """Timeout of the process group's collectives and of start-up (seconds or a ``timedelta``); by default Lightning's
+    (30 minutes), so slow imports or a large checkpoint write on one rank do not fail the job."""
+    checkpoint_format: str = "full"
+    """``"full"`` gathers the whole model and optimizer on global rank 0 into one file that plain single-device
+    Lightning loads; ``"sharded"`` writes a folder with one file per stage (nothing is gathered). Both resume on any
+    number of stages, as do single-device checkpoints."""
+    process_group_backend: str | None = None
+    """``"gloo"`` or ``"nccl"``; by default chosen from the device (gloo cannot carry transfers between GPUs)."""
+    reuse_cpu_memory: bool = True
+    """On CPU (Linux, glibc), keep freed memory in each stage's process instead of returning it to the operating
+    system, so the buffers of every micro-batch reuse pages rather than page-faulting fresh ones in (15-30 % of the
+    compute time of a 1024-wide MLP stage). The process keeps its peak memory."""
+    microbatch_weight: Callable[[Any], Any] | None = None
+    """What a micro-batch's training loss averages over, as a function of the micro-batch; by default its number of
+    samples. Losses and logged means of the micro-batches are combined with these weights, so for a loss that averages
+    over tokens with padding ignored (Hugging Face causal LMs with ``-100`` labels) pass
+    ``lambda batch: (batch["labels"][:, 1:] != -100).sum()`` to get one device's gradients."""
+    activation_checkpointing: bool | int = False
+    """Recompute the blocks' activations in backward instead of keeping them (``True``: every block; an int ``n``:
+    every ``n``-th block of the container), with ``torch.utils.checkpoint`` (non-reentrant, the random state restored,
+    so dropout masks are the same in the recompute): activation memory for compute."""
+    outside_weights: str = "where_used"
+    """Where the weights outside the blocks live. ``"where_used"``: observed on the first training step, each is kept,
+    with its gradient and optimizer state, only on the ranks whose work uses it (an embedding on the first stage, a
+    head on the last, a tied embedding/head on both), and its gradient is summed among those; elsewhere its module
+    becomes a weightless stand-in. Frozen weights are placed once they become trainable. The rule, and what stays
+    everywhere: :mod:`lightning_pp.model.placement`. ``"everywhere"``: every rank holds all of them."""
+
+    schedule_file: Schedule | None = field(init=False, default=None)
+    """The schedule read from ``schedule`` when it names a ``.csv`` file (read on construction: a missing or broken
+    file fails here)."""
+
+    def __post_init__(self) -> None:
+        self._check_schedule()
+        check(self.pipeline_parallel_size is None or (_is_int(self.pipeline_parallel_size)
+                                                       and self.pipeline_parallel_size >= 1),
+               f"pipeline_parallel_size={self.pipeline_parallel_size!r} "
+               f"({type(self.pipeline_parallel_size).__name__}): pass the number of stages per pipeline as a positive "
+               f"integer (the world size must be a multiple of it), or None for one pipeline over the whole world.")
+        check(self.microbatches is None or (_is_int(self.microbatches) and self.microbatches >= 1),
+               f"microbatches={self.microbatches!r} ({type(self.microbatches).__name__}): pass a positive integer (at "
+               f"least 1 micro-batch per batch), or None for twice the number of ranks per pipeline.")
+        self._check_blocks_and_balance()
+        self._check_the_rest()
+
+    def _check_schedule(self) -> None:
+        schedule = os.fspath(self.schedule) if isinstance(self.schedule, os.PathLike) else self.schedule
+        is_file = isinstance(schedule, str) and schedule.lower().endswith(".csv")
+        check(isinstance(schedule, str) and (schedule in GENERATORS or is_file),
+               f"Unknown schedule {schedule!r}. Valid schedules: {', '.join(sorted(GENERATORS))}, or the path of a "
+               f".csv file with one row of actions per rank (torch.distributed.pipelining's format).")
+        self.schedule = schedule
+        stages_per_rank = self.stages_per_rank
+        check(stages_per_rank is None or (_is_int(stages_per_rank) and stages_per_rank >= 1),
+               f"stages_per_rank={stages_per_rank!r} ({type(stages_per_rank).__name__}): pass a positive integer "
+               f"(2 or more for schedule='interleaved_1f1b'), or None for the schedule's default.")
+        from_file = self.schedule_file = load_csv(schedule) if is_file else None
+        if from_file is not None:
+            check(self.microbatches in (None, from_file.num_microbatches),
+                   f"microbatches={self.microbatches} but the schedule file {schedule!r} runs "
+                   f"{from_file.num_microbatches} micro-batches: leave microbatches out, or write the file for "
+                   f"{self.microbatches}.")
+            check(stages_per_rank in (None, from_file.stages_per_rank),
+                   f"stages_per_rank={stages_per_rank} but the schedule file {schedule!r} places "
+                   f"{from_file.stages_per_rank} stage(s) on each rank: leave stages_per_rank out.")
+            self.microbatches, stages_per_rank = from_file.num_microbatches, from_file.stages_per_rank
+        low, high = _STAGES_PER_RANK.get(str(schedule), (1, 1))
+        self.stages_per_rank = stages_per_rank = stages_per_rank or low
+        check(from_file is not None or low <= stages_per_rank <= high,
+               f"schedule={schedule!r} runs {low if low == high else f'at least {low}'} stage(s) per rank, got "
+               f"stages_per_rank={stages_per_rank}. Several stages per rank need schedule='interleaved_1f1b' (any "
+               f"number from 2) or 'zbv' (2).")
+
+    def _check_blocks_and_balance(self) -> None:
+        blocks, sequential, balance = self.blocks, self.sequential, self.balance
+        for name, value in (("blocks", blocks), ("sequential", sequential)):
+            check(value is None or (isinstance(value, str) and value != ""),
+                   f"{name}={value!r} ({type(value).__name__}): pass the dotted path of the block container as a "
+                   f"string, e.g. {name}='model.transformer.h', or None to find it automatically.")
+        check(blocks is None or sequential is None or blocks == sequential,
+               f"blocks={blocks!r} and sequential={sequential!r} name different containers; `sequential` is the "
+               f"former name of `blocks`: pass only blocks=...")
+        check(balance in BALANCE_MODES if isinstance(balance, str) else
+               balance is None or (isinstance(balance, Sequence) and len(balance) > 0
+                                   and all(_is_int(n) and int(n) >= 1 for n in balance)),
+               f"balance={balance!r} must be 'uniform' (an even split), 'params' (even parameter counts), 'time' "
+               f"(measured forward and backward time) or a list of at least one block for every stage (positive "
+               f"integers, e.g. balance=[3, 5]).")
+
+    def _check_the_rest(self) -> None:
+        timeout, group_timeout = self.timeout, self.process_group_timeout
+        check((_seconds(timeout) or 0) > 0,
+               f"timeout={timeout!r} ({type(timeout).__name__}) must be a positive number of seconds, e.g. "
+               f"timeout=300.")
+        check(group_timeout is None or (_seconds(group_timeout) or 0) > 0,
+               f"process_group_timeout={group_timeout!r} ({type(group_timeout).__name__}) must be a positive number "
+               f"of seconds or a datetime.timedelta, or None for Lightning's default (30 minutes).")
+        check(self.checkpoint_format in ("full", "sharded"),
+               f"checkpoint_format={self.checkpoint_format!r}; use 'full' (one file plain Lightning loads) or "
+               f"'sharded' (a folder with one file per stage, nothing gathered on one rank).")
+        check(self.process_group_backend is None or self.process_group_backend in BACKENDS,
+               f"process_group_backend={self.process_group_backend!r}; use 'gloo' (CPU) or 'nccl' (CUDA GPUs), or "
+               f"None to choose from the device.")
+        check(self.microbatch_weight is None or callable(self.microbatch_weight),
+               f"microbatch_weight={self.microbatch_weight!r} must be a function of a micro-batch returning its "
+               f"weight, e.g. microbatch_weight=lambda batch: (batch['labels'][:, 1:] != -100).sum(), or None.")
+        checkpointing = self.activation_checkpointing
+        check(isinstance(checkpointing, bool) or (_is_int(checkpointing) and checkpointing >= 1),
+               f"activation_checkpointing={checkpointing!r} ({type(checkpointing).__name__}) must be True (recompute "
+               f"every block in backward), False, or a positive int n (every n-th block).")
+        check(self.outside_weights in ("where_used", "everywhere"),
+               f"outside_weights={self.outside_weights!r}; use 'where_used' (each weight outside the blocks only on "
+               f"the ranks that use it) or 'everywhere' (on every rank).")
+        check(isinstance(self.reuse_cpu_memory, bool),
+               f"reuse_cpu_memory={self.reuse_cpu_memory!r} ({type(self.reuse_cpu_memory).__name__}) must be True "
+               f"or False.")
+
+    @property
+    def blocks_name(self) -> str | None:
+        return self.blocks if self.blocks is not None else self.sequential
+
+    @property
+    def balance_list(self) -> list[int] | None:
+        """Blocks per stage as given, or None when ``balance`` names a mode."""
+        return list(self.balance) if self.balance is not None and not isinstance(self.balance, str) else None
+
+    @property
+    def balance_by(self) -> str | None:
+        """``"uniform"``, ``"params"`` or ``"time"`` when ``balance`` names a mode."""
+        return self.balance if isinstance(self.balance, str) else None
+
+    @property
+    def transfer_timeout(self) -> float:
+        return float(_seconds(self.timeout) or 0)
+
+    @property
+    def group_timeout(self) -> timedelta:
+        seconds = _seconds(self.process_group_timeout) if self.process_group_timeout is not None else None
+        return timedelta(seconds=seconds) if seconds is not None else default_pg_timeout
+
+    @property
+    def recompute_every(self) -> int:
+        """Recompute every this many blocks in backward; 0: keep every activation."""
+        return int(self.activation_checkpointing) if self.activation_checkpointing is not False else 0
+
+    def check_world(self, num_stages: int, num_processes: int, num_nodes: int) -> None:
+        """What every rank checks alike before any collective, once the world size is known: ``num_stages`` ranks per
+        pipeline must divide the world, and a schedule file and a balance list must fit the pipeline."""
+        world = num_processes * num_nodes
+        divisor = max(d for d in range(1, num_stages + 1) if world % d == 0)
+        check(world % num_stages == 0,
+               f"pipeline_parallel_size={num_stages} does not divide the world of {world} processes (devices x "
+               f"num_nodes = {num_processes} x {num_nodes}): each data-parallel replica needs a whole pipeline. Use "
+               f"a divisor of {world}, e.g. pipeline_parallel_size={divisor}, or change devices/num_nodes.")
+        where = ("pipeline_parallel_size" if self.pipeline_parallel_size is not None
+                 else "one per process: Trainer(devices=..., num_nodes=...)")
+        if self.schedule_file is not None:
+            check(self.schedule_file.num_ranks == num_stages,
+                   f"The schedule file {self.schedule!r} has {self.schedule_file.num_ranks} rows (ranks) but each "
+                   f"pipeline has {num_stages} ({where}): run it on {self.schedule_file.num_ranks} ranks per "
+                   f"pipeline.")
+        stages_per_rank = self.stages_per_rank or 1
+        total = num_stages * stages_per_rank
+        per_rank = f" ({stages_per_rank} per rank)" if stages_per_rank > 1 else ""
+        balance = self.balance_list
+        check(balance is None or len(balance) == total,
+               f"balance={balance} describes {len(balance or [])} stages but each pipeline has {total}{per_rank} "
+               f"({where}). Give {total} block counts, or make the pipeline {len(balance or [])} stages long.")
