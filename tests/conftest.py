@@ -6,6 +6,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+# the shared helpers (see support.py) assert as a test module does: pytest reports the values that differ
+pytest.register_assert_rewrite("support")
 torch.set_num_threads(1)
 
 

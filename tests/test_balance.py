@@ -15,7 +15,7 @@ import pytest
 import torch
 from _launch import launch
 from models import fit, make_data
-from test_equivalence import assert_trains_like, pipelined, reference
+from support import assert_trains_like, pipelined, reference
 from torch import nn
 from torch.utils.data import DataLoader
 
@@ -104,7 +104,20 @@ def test_bad_balance_names_the_allowed_values(balance: Any) -> None:
 
 @pytest.mark.parametrize("balance", ["uniform", "params", "time", None, [3, 5], (4, 4)])
 def test_good_balance_is_accepted(balance: Any) -> None:
-    PipelineParallelStrategy(balance=balance)
+    """Accepted, and the split follows it: 8 blocks of one weight each, the first 8x slower (it sleeps), on 2 stages
+    (`trainer_for`). ``None`` (the default) and ``"uniform"`` split evenly, as ``"params"`` does on equal parameter
+    counts; ``"time"`` isolates the slow block; a list or a tuple of block counts is the split."""
+    from models import SlowFirst
+
+    if balance == "time":
+        expected = [1, 7]
+    elif isinstance(balance, (list, tuple)):
+        expected = list(balance)
+    else:
+        expected = [4, 4]
+    trainer = trainer_for(balance)
+    trainer.fit(SlowFirst())
+    assert [len(blocks) for blocks in ranges_of(trainer)] == expected
 
 
 # ------------------------------------------------------------------------------------------------ in one process
@@ -242,6 +255,7 @@ def test_a_failing_probe_is_a_config_error() -> None:
 # ------------------------------------------------------------------------------------------------ on two ranks
 
 
+@pytest.mark.multiprocess
 def test_time_balance_on_two_ranks() -> None:
     """Rank 0 measures and broadcasts: both ranks split alike ([1, 7]: rank 0 holds the slow block alone), training
     equals one device's (the probe left the shuffling loader's generator alone), and a probe that fails on rank 0

@@ -3,27 +3,12 @@ checked: speed is measured by the script, never asserted in tests)."""
 
 from __future__ import annotations
 
-import json
-import os
-import sys
 from pathlib import Path
 
 import pytest
-from _launch import run_script
+from support import run_compare
 
-SCRIPT = Path(__file__).parents[1] / "benchmarks" / "compare.py"
-
-
-def run_compare(out: Path, *args: str) -> dict:
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "NODE_RANK")}
-    result = run_script(
-        [sys.executable, str(SCRIPT), "--hidden", "32", "--no-gpt", "--steps", "3", "--warmup", "1",
-         "--monitor-steps", "2", "--out", str(out), *args],
-        timeout=280, env=env,
-    )
-    assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
-    assert "failed" not in result.stdout, result.stdout + result.stderr[-3000:]
-    return json.loads((out / "compare.json").read_text())
+pytestmark = pytest.mark.multiprocess
 
 
 @pytest.mark.timeout(300)

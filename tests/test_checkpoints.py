@@ -3,39 +3,26 @@
 from __future__ import annotations
 
 from pathlib import Path
-from typing import Any
 
+import pytest
 import torch
 from _launch import launch
-from models import MLPClassifier, fit
-from test_equivalence import assemble, prefixed
+from models import MLPClassifier
+from support import assemble, assert_params_close, epochs_run, single_device_state
 
-RESUME_TOL = 1e-6
-
-
-def run(model: str = "mlp", **kwargs: Any) -> dict[str, Any]:
-    return {"scenario": "train", "kwargs": {"model": model, "max_steps": -1, **kwargs}}
-
-
-def single_device(**kwargs: Any) -> dict[str, torch.Tensor]:
-    module, _ = fit("mlp", max_steps=-1, **kwargs)
-    return {k: v.detach().clone() for k, v in module.state_dict().items()}
-
-
-def assert_params_close(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor], label: str) -> None:
-    assert sorted(got) == sorted(want), label
-    for name, value in want.items():
-        torch.testing.assert_close(got[name], value, rtol=0, atol=RESUME_TOL, msg=prefixed(f"{label} {name}"))
+pytestmark = pytest.mark.multiprocess
 
 
 def test_full_checkpoint_loads_in_plain_lightning_and_resumes_everywhere(tmp_path: Path) -> None:
-    uninterrupted = single_device(max_epochs=2)
+    uninterrupted = single_device_state(max_epochs=2)
     single_ckpt = str(tmp_path / "single.ckpt")
-    single_device(max_epochs=1, save_to=single_ckpt)
+    single_device_state(max_epochs=1, save_to=single_ckpt)
     two_stage_ckpt = str(tmp_path / "two.ckpt")
 
-    ranks = launch(2, [run(schedule="1f1b", microbatches=2, max_epochs=1, save_to=two_stage_ckpt, trainer={}),
-                       run(schedule="gpipe", microbatches=2, max_epochs=2, ckpt_path=single_ckpt, trainer={})],
+    ranks = launch(2, [epochs_run(schedule="1f1b", microbatches=2, max_epochs=1, save_to=two_stage_ckpt,
+                                  trainer={}),
+                       epochs_run(schedule="gpipe", microbatches=2, max_epochs=2, ckpt_path=single_ckpt,
+                                  trainer={})],
                    timeout=200)
     pipelined_epoch1, _ = assemble(ranks, 0)
     assert_params_close(assemble(ranks, 1)[0], uninterrupted, "single-device checkpoint resumed on 2 stages")
@@ -45,23 +32,24 @@ def test_full_checkpoint_loads_in_plain_lightning_and_resumes_everywhere(tmp_pat
     assert sorted(checkpoint["state_dict"]) == sorted(pipelined_epoch1)
     loaded = MLPClassifier.load_from_checkpoint(two_stage_ckpt, weights_only=True)
     assert_params_close(loaded.state_dict(), pipelined_epoch1, "load_from_checkpoint")
-    resumed_single = single_device(max_epochs=2, ckpt_path=two_stage_ckpt)
+    resumed_single = single_device_state(max_epochs=2, ckpt_path=two_stage_ckpt)
     assert_params_close(resumed_single, uninterrupted, "2-stage checkpoint resumed on one device")
 
-    ranks = launch(4, [run(schedule="1f1b", microbatches=4, max_epochs=2, ckpt_path=two_stage_ckpt, trainer={})],
+    ranks = launch(4, [epochs_run(schedule="1f1b", microbatches=4, max_epochs=2, ckpt_path=two_stage_ckpt,
+                                  trainer={})],
                    timeout=200)
     assert_params_close(assemble(ranks, 0)[0], uninterrupted, "2-stage checkpoint resumed on 4 stages")
 
 
 def test_sharded_checkpoint_resumes_on_other_stage_counts(tmp_path: Path) -> None:
-    uninterrupted = single_device(max_epochs=2)
+    uninterrupted = single_device_state(max_epochs=2)
     four = str(tmp_path / "four_stages.ckpt")
-    ranks = launch(4, [run(schedule="gpipe", microbatches=4, max_epochs=1, save_to=four,
-                           checkpoint_format="sharded", trainer={})], timeout=200)
+    ranks = launch(4, [epochs_run(schedule="gpipe", microbatches=4, max_epochs=1, save_to=four,
+                                  checkpoint_format="sharded", trainer={})], timeout=200)
     assert sorted(p.name for p in Path(four).iterdir()) == [
         "checkpoint.pt", "stage0.pt", "stage1.pt", "stage2.pt", "stage3.pt"]
-    ranks = launch(2, [run(schedule="1f1b", microbatches=2, max_epochs=2, ckpt_path=four,
-                           checkpoint_format="sharded", trainer={})], timeout=200)
+    ranks = launch(2, [epochs_run(schedule="1f1b", microbatches=2, max_epochs=2, ckpt_path=four,
+                                  checkpoint_format="sharded", trainer={})], timeout=200)
     assert_params_close(assemble(ranks, 0)[0], uninterrupted, "4-stage sharded checkpoint resumed on 2 stages")
 
 

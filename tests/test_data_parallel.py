@@ -4,7 +4,7 @@ The reference is plain Lightning ``strategy="ddp"`` with one process per replica
 sampler (a ``DistributedSampler``, injected for DDP and for a pipeline with replicas alike) shuffles across replicas,
 so DDP fixes which samples each replica sees and in which order. DDP run twice gives identical parameters (checked),
 so one DDP run is the reference. Compared: the weights after training (SGD models, element-wise, the tolerances of
-`test_equivalence`), everything rank 0 logged, every rank's ``callback_metrics`` and batches (a pipeline rank against
+`support`), everything rank 0 logged, every rank's ``callback_metrics`` and batches (a pipeline rank against
 the DDP rank of its replica), and the saved checkpoints.
 
 The data: 32 samples in batches of 8, so each of 2 replicas runs 2 steps per epoch; 2 epochs are 4 optimizer steps.
@@ -23,21 +23,30 @@ import pytest
 import torch
 from _launch import LaunchTimeoutError, RankResult, launch, launch_torchrun
 from models import MLPClassifierSGD, fit
-from test_equivalence import ATOL, RTOL, SCHEDULE_NAMES, assemble, assert_matches, prefixed
+from support import (
+    ATOL,
+    RTOL,
+    SCHEDULE_NAMES,
+    SGD_MODELS,
+    assemble,
+    assert_all_ended,
+    assert_matches,
+    assert_same_metrics,
+    job_pids,
+    prefixed,
+)
 
 from lightning_pp import PipelineConfigError, PipelineLayout, PipelineParallelStrategy
 
 REPLICAS, STAGES = 2, 2
 EPOCHS = 2
-METRIC_TOL = 1e-5
 # 3 does not divide a batch of 8: weighted micro-batch means; interleaved 1F1B (2 stages per rank) needs m >= p
 MICROBATCHES = {"naive": 2, "gpipe": 3, "1f1b": 4, "interleaved_1f1b": 4, "zb_h1": 3}
-SGD_MODELS = ("mlp_sgd", "tied_sgd")
 # a transfer times out after 5 s (as in test_failures); a rank stuck elsewhere ends 5 s later (the watcher's grace)
 FAILURE_TIMEOUT_S = 5
 
 
-def pipelined(model: str, schedule: str, **kwargs: Any) -> dict[str, Any]:
+def pipelined_replicas(model: str, schedule: str, **kwargs: Any) -> dict[str, Any]:
     """A `train` run of ``EPOCHS`` epochs, pipelined into ``STAGES`` stages (the world makes the replicas)."""
     return {"scenario": "train", "kwargs": {
         "model": model, "max_steps": -1, "max_epochs": EPOCHS, "schedule": schedule,
@@ -110,9 +119,9 @@ def pipelined_job(checkpoints: Path) -> Job:
             extra = {"save_to": str(checkpoints / "full.ckpt")}
         elif (model, schedule) == ("mlp_sgd", "gpipe"):
             extra = {"save_to": str(checkpoints / "sharded"), "checkpoint_format": "sharded"}
-        runs.append(pipelined(model, schedule, **extra))
-    runs.append(pipelined("synced_metrics", "gpipe"))
-    runs.append(pipelined("tied_sgd", "1f1b", trainer={"record_batches": True, **CLIPPED}))
+        runs.append(pipelined_replicas(model, schedule, **extra))
+    runs.append(pipelined_replicas("synced_metrics", "gpipe"))
+    runs.append(pipelined_replicas("tied_sgd", "1f1b", trainer={"record_batches": True, **CLIPPED}))
     return run_job(REPLICAS * STAGES, runs, timeout=240)
 
 
@@ -164,12 +173,6 @@ def assert_replica_batches(ranks: list[RankResult], index: int, ddp_ranks: list[
             assert torch.equal(a, b), f"{label}: rank {global_rank} (replica {replica}) batch {step} is not DDP's"
 
 
-def assert_same_metrics(got: dict[str, float], want: dict[str, float], label: str) -> None:
-    assert sorted(got) == sorted(want), label
-    for key, value in want.items():
-        assert got[key] == pytest.approx(value, abs=METRIC_TOL), f"{label}: {key} {got[key]} vs DDP's {value}"
-
-
 def assert_like_ddp(ranks: list[RankResult], index: int, ddp_ranks: list[RankResult], ddp_index: int, label: str,
                     environment: str | None = None) -> None:
     """A pipelined run against DDP: layout, batches per replica, weights (replicas bitwise equal), rank 0's log."""
@@ -197,6 +200,7 @@ def test_layout_places_replicas_of_a_stage_on_neighbouring_ranks() -> None:
             PipelineParallelStrategy(pipeline_parallel_size=bad)  # type: ignore[arg-type]
 
 
+@pytest.mark.multiprocess
 def test_every_schedule_matches_ddp(ddp_job: Job, pipelined_job: Job) -> None:
     """2 replicas x 2 stages, naive / gpipe / 1f1b / interleaved_1f1b (2 stages per rank) / zb_h1, the MLP and the
     tied model (a weight on the first and the last stage, summed over stages and averaged over replicas), against DDP
@@ -209,12 +213,14 @@ def test_every_schedule_matches_ddp(ddp_job: Job, pipelined_job: Job) -> None:
         assert_like_ddp(ranks, index, ddp_ranks, DDP_RUNS[model], f"{model} {schedule} 2x2")
 
 
+@pytest.mark.multiprocess
 def test_global_norm_clipping_and_accumulation_match_ddp(ddp_job: Job, pipelined_job: Job) -> None:
     """Clipping by the norm of every gradient of the model once averaged over the replicas (the tied weight counted
     once, not once per stage), with 2 batches accumulated per optimizer step (gradients averaged once per step)."""
     assert_like_ddp(pipelined_job.get(), CLIPPED_RUN, ddp_job.get(), DDP_RUNS["clipped"], f"tied_sgd 1f1b {CLIPPED}")
 
 
+@pytest.mark.multiprocess
 def test_synced_logging_and_torchmetrics_match_ddp(ddp_job: Job, pipelined_job: Job) -> None:
     """``sync_dist=True`` means and sums (per step and per epoch), a max in validation, torchmetrics objects (macro
     accuracy, a sum of metrics, AUROC, a list state) and unsynced values, with the module's own shuffling loader:
@@ -231,18 +237,19 @@ def test_synced_logging_and_torchmetrics_match_ddp(ddp_job: Job, pipelined_job: 
                       "val_seen"}, logged
     assert [step for step, _ in history] == [step for step, _ in want_history], label
     for (step, got), (_, want) in zip(history, want_history, strict=True):
-        assert_same_metrics(got, want, f"{label} step {step}")
+        assert_same_metrics(got, want, f"{label} step {step}", of="DDP's ")
     for global_rank, rank in enumerate(ranks):
         replica = PipelineLayout(STAGES, REPLICAS).replica_of(global_rank)
         got_result, want_result = rank.results[METRICS_RUN], ddp_ranks[replica].results[ddp_index]
         where = f"{label} rank {global_rank} (replica {replica})"
-        assert_same_metrics(got_result["callback_metrics"], want_result["callback_metrics"], where)
+        assert_same_metrics(got_result["callback_metrics"], want_result["callback_metrics"], where, of="DDP's ")
         got_outputs, want_outputs = got_result["batch_end_outputs"], want_result["batch_end_outputs"]
         assert len(got_outputs) == len(want_outputs), where
         for got, want in zip(got_outputs, want_outputs, strict=True):
             assert got[:2] == want[:2] and torch.equal(got[2], want[2]), (where, got, want)
 
 
+@pytest.mark.multiprocess
 def test_checkpoints_equal_ddp_and_resume_at_other_replica_counts(ddp_job: Job, pipelined_job: Job,
                                                                   checkpoints: Path) -> None:
     """The full checkpoint of 2 replicas x 2 stages is what DDP saves (weights, optimizer state, progress) and loads
@@ -305,18 +312,20 @@ def assert_optimizer_states_match(ours: list[dict[str, Any]], theirs: list[dict[
         assert got["param_groups"] == want["param_groups"]
 
 
+@pytest.mark.multiprocess
 def test_two_nodes_under_torchrun_match_ddp(ddp_job: Job) -> None:
     """Two "nodes" of 2 processes each, each started by its own torchrun (static rendezvous on 127.0.0.1), as
     Trainer(devices=2, num_nodes=2) with pipeline_parallel_size=2: the replicas of a stage share a node, the pipeline
     crosses nodes. Lightning must pick its TorchElastic environment; training equals DDP's on 2 processes."""
     ddp_ranks = ddp_job.get()
-    ranks = launch_torchrun(2, 2, [pipelined("mlp_sgd", "1f1b")], timeout=200)
+    ranks = launch_torchrun(2, 2, [pipelined_replicas("mlp_sgd", "1f1b")], timeout=200)
     for rank in ranks:
         assert rank.returncode == 0 and not rank.errors, rank.errors or rank.node_output[-3000:]
     assert_like_ddp(ranks, 0, ddp_ranks, DDP_RUNS["mlp_sgd"], "mlp_sgd 1f1b on 2 torchrun nodes",
                     environment="TorchElasticEnvironment")
 
 
+@pytest.mark.multiprocess
 def test_world_not_a_multiple_of_the_pipeline_is_a_config_error_on_every_rank(failure_job: Job) -> None:
     """4 processes, pipeline_parallel_size=3: every rank raises our error naming both numbers, before any collective
     (the process group was never created) and so without waiting for another rank."""
@@ -328,6 +337,7 @@ def test_world_not_a_multiple_of_the_pipeline_is_a_config_error_on_every_rank(fa
         assert error["process_group"] is False, "the process group was created before the error"
 
 
+@pytest.mark.multiprocess
 def test_failure_on_one_rank_ends_every_rank_of_every_replica(failure_job: Job) -> None:
     """The user's step fails on global rank 0 (stage 0 of replica 0) at step 1. Its pipeline peer (rank 2) waits
     for an activation and fails naming it; the ranks of replica 1, in the gradient all-reduce with replica 0, end
@@ -347,12 +357,11 @@ def test_failure_on_one_rank_ends_every_rank_of_every_replica(failure_job: Job) 
                                            f"peer it lost):\n{said[-3000:]}")
 
 
+@pytest.mark.multiprocess
 def test_timed_out_torchrun_job_leaves_no_process(tmp_path: Path) -> None:
     """`launch_torchrun` keeps `launch`'s promise: the agents, the ranks they started (each in a session of its own)
     and the ranks' children, all ignoring SIGTERM, are gone when the launch times out. A short timeout usually fires
     once the ranks sleep; on a machine too busy for them to get there, try longer."""
-    from test_launch import _assert_all_ended, _job_pids
-
     for timeout in (20, 60):
         for path in tmp_path.glob("*.pids"):
             path.unlink()
@@ -361,8 +370,8 @@ def test_timed_out_torchrun_job_leaves_no_process(tmp_path: Path) -> None:
             launch_torchrun(2, 1, [{"scenario": "ignore_sigterm_forever", "kwargs": {"pid_dir": str(tmp_path)}}],
                             timeout=timeout)
         assert time.monotonic() - start < timeout + 10
-        pids = sorted({*info.value.pids, *_job_pids(tmp_path)})
-        _assert_all_ended(pids)
-        if len(_job_pids(tmp_path)) == 2 * 2:  # both ranks had started their children and were ignoring SIGTERM
+        pids = sorted({*info.value.pids, *job_pids(tmp_path)})
+        assert_all_ended(pids)
+        if len(job_pids(tmp_path)) == 2 * 2:  # both ranks had started their children and were ignoring SIGTERM
             return
     pytest.fail("the ranks never got as far as their sleep before the launch timed out")

@@ -17,7 +17,7 @@ from lightning.fabric.plugins.environments import LightningEnvironment
 
 import lightning_pp
 from lightning_pp import PipelineConfigError, PipelineParallelStrategy
-from lightning_pp._logs import LogRecorder
+from lightning_pp._logs import LogRecorder, stacked, weighted_mean
 
 PACKAGE = Path(lightning_pp.__file__).parent
 # torch functions that create a tensor on the default device unless told otherwise (the `*_like` ones follow their
@@ -51,12 +51,19 @@ def test_every_tensor_the_package_creates_names_its_device() -> None:
 
 
 def test_logged_values_combine_on_the_device_they_were_logged_on() -> None:
-    """The micro-batches' values and their weights meet on the values' device; a value logged as a Python number
-    joins the tensors'."""
+    """Finding 2: the micro-batches' weights were made on the host and multiplied with values on the accelerator.
+    The meta device stands in for one here: it holds no values, but it refuses to meet a host tensor, as CUDA does."""
+    on_device = stacked([torch.tensor(1.5, device="meta"), torch.tensor(2.5, device="meta")])
+    assert on_device.device.type == "meta" and on_device.dtype == torch.float64
+    assert weighted_mean(on_device, [4.0, 4.0]).device.type == "meta"
+
+
+def test_a_number_and_tensors_logged_under_one_name_combine() -> None:
     import lightning.pytorch as pl
 
     module, recorder = pl.LightningModule(), LogRecorder()
-    for microbatch, value in enumerate([torch.tensor(1.0), 3.0]):
+    values: list[torch.Tensor | float] = [torch.tensor(1.0), 3.0]
+    for microbatch, value in enumerate(values):
         with recorder.recording(module, microbatch):
             module.log("train_loss", value)
     [(name, combined, _)] = recorder.combine([1.0, 3.0])

@@ -12,135 +12,15 @@ drifted weights. SGD moves each weight in proportion to its gradient, so its noi
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from functools import cache
 from pathlib import Path
-from typing import Any
 
 import pytest
 import torch
 from _launch import launch
-from models import AppliedGradientRecorder, LoadWeightsEachStep, fit
+from models import fit
+from support import SCHEDULE_NAMES, assemble, assert_trains_like, pipelined, reference
 
-RTOL, ATOL = 1e-5, 5e-6  # fp32: micro-batch gradient sums differ from full-batch ones in the last bits
-GRAD_RTOL = 1e-5  # of each gradient tensor's largest magnitude (see `assert_grads_match`)
-LOSS_TOL = 1e-5
-SCHEDULE_NAMES = ["naive", "gpipe", "1f1b"]
-SGD_MODELS = ("mlp_sgd", "tied_sgd")  # weights compared element-wise after training
-
-
-def prefixed(prefix: str) -> Callable[[str], str]:
-    """An ``assert_close`` message that keeps torch's mismatch report and says which tensor it is."""
-    return lambda message: f"{prefix}: {message}"
-
-
-@cache
-def reference(model: str, max_steps: int = 4, batch_size: int = 8, **trainer: Any) -> dict[str, Any]:
-    """The single-device run; ``fit`` holds its arguments (see `single_device_grads_at`)."""
-    recorder = AppliedGradientRecorder()
-    module, logger = fit(model, max_steps=max_steps, batch_size=batch_size, callbacks=[recorder], **trainer)
-    return {"state": {k: v.detach().clone() for k, v in module.state_dict().items()}, "history": logger.history,
-            "steps": len(recorder.grads),
-            "fit": {"model_name": model, "max_steps": max_steps, "batch_size": batch_size, **trainer}}
-
-
-def single_device_grads_at(expected: dict[str, Any], weights: list[dict[str, torch.Tensor]]
-                           ) -> list[dict[str, torch.Tensor]]:
-    """The gradients the single-device run of ``expected`` hands its optimizer when every step starts from
-    ``weights[step]`` (a pipelined run's): the same batch, clipping and accumulation, none of the drift."""
-    recorder = AppliedGradientRecorder()
-    fit(**expected["fit"], callbacks=[recorder, LoadWeightsEachStep(weights)])
-    return recorder.grads
-
-
-def pipelined(model: str, **kwargs: Any) -> dict[str, Any]:
-    """A run that trains and records, at every optimizer step on every stage, the gradients and their weights."""
-    return {"scenario": "train_recording_steps", "kwargs": {"model": model, **kwargs}}
-
-
-def assemble(ranks: list, index: int) -> tuple[dict[str, torch.Tensor], list]:
-    """The full model from every stage's parameters; replicated ones must agree across stages exactly."""
-    full: dict[str, torch.Tensor] = {}
-    for rank in ranks:
-        assert index not in rank.errors, rank.errors[index]["traceback"]
-        for name, value in rank.results[index]["state"].items():
-            if name in full:
-                assert torch.equal(full[name], value), f"replicated {name} differs between stages"
-            else:
-                full[name] = value
-    return full, ranks[0].results[index]["history"]
-
-
-def assemble_steps(ranks: list, index: int, key: str) -> list[dict[str, torch.Tensor]]:
-    """Per optimizer step, every stage's recorded ``key`` ("grads" or "weights"); replicated weights' must agree
-    across stages exactly."""
-    per_rank = [rank.results[index][key] for rank in ranks]
-    assert len({len(steps) for steps in per_rank}) == 1, f"optimizer steps per stage: {[len(s) for s in per_rank]}"
-    merged: list[dict[str, torch.Tensor]] = []
-    for per_stage in zip(*per_rank, strict=True):
-        full: dict[str, torch.Tensor] = {}
-        for tensors in per_stage:
-            for name, tensor in tensors.items():
-                if name in full:
-                    assert torch.equal(full[name], tensor), f"replicated {name}: {key} differ between stages"
-                full[name] = tensor
-        merged.append(full)
-    return merged
-
-
-def assert_grads_match(got: list[dict[str, torch.Tensor]], want: list[dict[str, torch.Tensor]], label: str) -> None:
-    """Every step's gradients, each element within ``GRAD_RTOL`` of its tensor's largest magnitude: a margin that
-    summation order does not reach (measured: up to ~1e-6) and a pipelining mistake (a micro-batch missing or counted
-    twice, a replicated weight's gradient not summed over stages, clipping by one stage's norm) exceeds many times."""
-    assert len(got) == len(want), f"{label}: {len(got)} optimizer steps, single-device {len(want)}"
-    worst = 0.0
-    for step, (got_step, want_step) in enumerate(zip(got, want, strict=True)):
-        assert sorted(got_step) == sorted(want_step), f"{label} step {step}: gradients of other parameters"
-        for name, grad in want_step.items():
-            scale = grad.abs().max().item()
-            worst = max(worst, (got_step[name] - grad).abs().max().item() / (scale or 1.0))
-            torch.testing.assert_close(got_step[name], grad, rtol=0, atol=GRAD_RTOL * scale + 1e-12,
-                                       msg=prefixed(f"{label} step {step} {name}"))
-    print(f"{label}: max |gradient difference| / scale {worst:.2e}")
-
-
-def assert_logged_match(history: list, expected_history: list, label: str, keys: tuple[str, ...] | None = None) -> None:
-    """The same steps logged, with the same loss and every other logged value (or those of ``keys``)."""
-    logged = [(step, m["train_loss"]) for step, m in history if "train_loss" in m]
-    wanted = [(step, m["train_loss"]) for step, m in expected_history if "train_loss" in m]
-    assert [s for s, _ in logged] == [s for s, _ in wanted], label
-    for (_, got), (_, want) in zip(logged, wanted, strict=True):
-        assert abs(got - want) <= LOSS_TOL, f"{label}: logged loss {got} vs single-device {want}"
-    compared = keys if keys is not None else {k for _, m in expected_history for k in m} - {"epoch"}
-    for key in compared:
-        got_values = [m[key] for _, m in history if key in m]
-        want_values = [m[key] for _, m in expected_history if key in m]
-        assert got_values == pytest.approx(want_values, abs=LOSS_TOL), f"{label}: {key}"
-
-
-def assert_matches(full: dict[str, torch.Tensor], history: list, expected: dict[str, Any], label: str) -> None:
-    """Weights element-wise (trained with SGD or alike: see the module docstring) and everything logged."""
-    assert sorted(full) == sorted(expected["state"]), label
-    worst = max((full[n] - v).abs().max().item() for n, v in expected["state"].items())
-    print(f"{label}: max |param difference| {worst:.2e}")
-    for name, value in expected["state"].items():
-        torch.testing.assert_close(full[name], value, rtol=RTOL, atol=ATOL, msg=prefixed(f"{label} {name}"))
-    assert_logged_match(history, expected["history"], label)
-
-
-def assert_trains_like(ranks: list, index: int, run: dict[str, Any], expected: dict[str, Any], label: str,
-                       logged: tuple[str, ...] | None = None) -> None:
-    """A `pipelined` run against single-device training: every step's gradients at the run's own weights, everything
-    logged (or the keys in ``logged``), and the weights after training where SGD trained."""
-    full, history = assemble(ranks, index)
-    assert sorted(full) == sorted(expected["state"]), label
-    grads, weights = assemble_steps(ranks, index, "grads"), assemble_steps(ranks, index, "weights")
-    assert len(grads) == expected["steps"], f"{label}: {len(grads)} optimizer steps, single-device {expected['steps']}"
-    assert_grads_match(grads, single_device_grads_at(expected, weights), label)
-    if run["kwargs"]["model"] in SGD_MODELS:
-        assert_matches(full, history, expected, label)
-    else:
-        assert_logged_match(history, expected["history"], label, logged)
+pytestmark = pytest.mark.multiprocess
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

@@ -6,7 +6,10 @@ import os
 import sys
 from pathlib import Path
 
+import pytest
 from _launch import run_script
+
+pytestmark = pytest.mark.multiprocess
 
 EXAMPLES = Path(__file__).parents[1] / "examples"
 

@@ -4,7 +4,11 @@ from __future__ import annotations
 
 import time
 
+import pytest
 from _launch import launch
+from support import check_dead_peer_raises_timeout_on_the_other_rank, check_user_error_reaches_the_other_stage
+
+pytestmark = pytest.mark.multiprocess
 
 
 def test_configuration_errors_on_every_rank() -> None:
@@ -41,12 +45,7 @@ def test_configuration_errors_on_every_rank() -> None:
 
 def test_user_error_on_one_stage_reaches_the_other() -> None:
     """The first stage's step fails; the last stage, waiting for its activation, fails naming the action and peer."""
-    ranks = launch(2, [{"scenario": "train", "kwargs": {"model": "fails_on_rank_zero", "timeout": 20}}], timeout=120)
-    assert ranks[0].errors[0]["type"] == "RuntimeError"
-    error = ranks[1].errors[0]
-    assert error["type"] in ("PipelineTimeoutError", "PipelineCommError"), error
-    assert "Pipeline stage 1 (rank 1) failed in action 1RECV_F0" in error["message"]
-    assert "peer stage 0 (rank 0)" in error["message"]
+    check_user_error_reaches_the_other_stage()
 
 
 def test_stuck_rank_ends_when_its_peer_fails() -> None:
@@ -63,15 +62,7 @@ def test_stuck_rank_ends_when_its_peer_fails() -> None:
 
 
 def test_dead_peer_raises_timeout_on_the_other_rank() -> None:
-    start = time.monotonic()
-    ranks = launch(2, [{"scenario": "die_at_step", "kwargs": {"model": "mlp", "rank_to_kill": 1, "step": 2,
-                                                               "timeout": 5}}], timeout=120)
-    assert time.monotonic() - start < 100
-    assert ranks[1].returncode == -9
-    error = ranks[0].errors[0]
-    assert error["type"] in ("PipelineTimeoutError", "PipelineCommError"), error
-    assert "Pipeline stage 0 (rank 0) failed in action 0" in error["message"]
-    assert "peer stage 1 (rank 1)" in error["message"]
+    check_dead_peer_raises_timeout_on_the_other_rank()
 
 
 def test_hung_middle_stage_fails_every_other_stage() -> None:

@@ -10,8 +10,7 @@ from typing import Any
 import pytest
 import torch
 from _launch import launch
-from test_benchmark import run_compare
-from test_equivalence import SCHEDULE_NAMES, assemble, assert_matches, reference
+from support import SCHEDULE_NAMES, assemble, assert_matches, reference, run_compare
 
 from lightning_pp.runtime import run_stage, step_clock
 from lightning_pp.schedules import build_schedule
@@ -50,6 +49,7 @@ def test_cuda_events_time_kernels_not_launches() -> None:
 
 
 @needs_two_gpus
+@pytest.mark.multiprocess
 @pytest.mark.parametrize("schedule", SCHEDULE_NAMES)
 def test_nccl_pipeline_matches_single_gpu(schedule: str) -> None:
     runs: list[dict[str, Any]] = [
@@ -65,6 +65,7 @@ def test_nccl_pipeline_matches_single_gpu(schedule: str) -> None:
 
 
 @needs_two_gpus
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_benchmark_runs_on_nccl_with_allocator_peaks(tmp_path: Path) -> None:
     report = run_compare(tmp_path, "--schedules", "1f1b", "--stages", "2", "--device", "cuda")

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import _thread
-import os
 import signal
 import subprocess
 import sys
@@ -13,29 +12,13 @@ from pathlib import Path
 
 import pytest
 from _launch import LaunchTimeoutError, launch
+from support import assert_all_ended, job_pids, process_alive
+
+pytestmark = pytest.mark.multiprocess
 
 # each rank ignores SIGTERM, starts a child that ignores it too, writes both pids, and sleeps forever
 STUBBORN_JOB = "ignore_sigterm_forever"
 STARTED_WITHIN_S = 90.0  # a rank imports torch, Lightning and lightning_pp first: ~10 s on a busy 2-core machine
-
-
-def _alive(pid: int) -> bool:
-    """Whether ``pid`` is a process that has not terminated (a zombie waiting to be reaped counts as ended)."""
-    try:
-        stat = Path(f"/proc/{pid}/stat").read_text()
-    except FileNotFoundError:
-        return False
-    except OSError:  # no /proc: ask the kernel
-        try:
-            os.kill(pid, 0)
-        except ProcessLookupError:
-            return False
-        return True
-    return stat.rsplit(")", 1)[1].split()[0] not in ("Z", "X")  # the state follows the parenthesised name
-
-
-def _job_pids(pid_dir: Path) -> list[int]:
-    return [int(pid) for path in sorted(pid_dir.glob("*.pids")) for pid in path.read_text().split()]
 
 
 def _wait_for_pid_files(pid_dir: Path, world_size: int, stop: threading.Event | None = None) -> bool:
@@ -48,14 +31,6 @@ def _wait_for_pid_files(pid_dir: Path, world_size: int, stop: threading.Event | 
     return True
 
 
-def _assert_all_ended(pids: list[int]) -> None:
-    """SIGKILL is delivered at once but a process takes a moment to go: allow a few seconds."""
-    deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert not [pid for pid in pids if _alive(pid)], f"still running: {[pid for pid in pids if _alive(pid)]}"
-
-
 def test_timed_out_job_leaves_no_process(tmp_path: Path) -> None:
     """A short timeout usually fires once the ranks sleep; on a machine too busy for them to get there, try longer."""
     for timeout in (20, 60):
@@ -65,8 +40,8 @@ def test_timed_out_job_leaves_no_process(tmp_path: Path) -> None:
         with pytest.raises(LaunchTimeoutError, match=f"did not finish within {timeout} s") as info:
             launch(2, [{"scenario": STUBBORN_JOB, "kwargs": {"pid_dir": str(tmp_path)}}], timeout=timeout)
         assert time.monotonic() - start < timeout + 10
-        pids = sorted({*info.value.pids, *_job_pids(tmp_path)})
-        _assert_all_ended(pids)
+        pids = sorted({*info.value.pids, *job_pids(tmp_path)})
+        assert_all_ended(pids)
         if len(pids) == 2 + 2:  # the ranks had started their children and were ignoring SIGTERM
             return
     pytest.fail("the ranks never got as far as their sleep before the launch timed out")
@@ -90,9 +65,9 @@ def test_exception_in_the_launching_process_leaves_no_process(tmp_path: Path) ->
     finally:
         launch_ended.set()
         interrupter.join()
-    pids = _job_pids(tmp_path)
+    pids = job_pids(tmp_path)
     assert len(pids) == 4, "the ranks did not start their children in time"
-    _assert_all_ended(pids)
+    assert_all_ended(pids)
 
 
 def test_killed_launching_process_leaves_no_process(tmp_path: Path) -> None:
@@ -107,9 +82,9 @@ def test_killed_launching_process_leaves_no_process(tmp_path: Path) -> None:
         launcher.send_signal(signal.SIGKILL)
         launcher.wait()
     assert started, "the ranks did not start their children in time"
-    pids = _job_pids(tmp_path)
+    pids = job_pids(tmp_path)
     assert len(pids) == 4
-    _assert_all_ended(pids)
+    assert_all_ended(pids)
 
 
 def test_a_timed_out_script_takes_its_processes_along(tmp_path: Path) -> None:
@@ -128,6 +103,6 @@ def test_a_timed_out_script_takes_its_processes_along(tmp_path: Path) -> None:
         run_script([sys.executable, "-c", script], timeout=5)
     pids = [int(p) for p in pid_file.read_text().split()]
     deadline = time.monotonic() + 10
-    while any(_alive(pid) for pid in pids) and time.monotonic() < deadline:
+    while any(process_alive(pid) for pid in pids) and time.monotonic() < deadline:
         time.sleep(0.1)
-    assert not any(_alive(pid) for pid in pids), pids
+    assert not any(process_alive(pid) for pid in pids), pids

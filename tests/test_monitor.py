@@ -25,6 +25,7 @@ PIPELINE_KEYS = ["bubble_fraction", "predicted_bubble_fraction", "bubble_fractio
                  "samples_per_sec"]
 
 
+@pytest.mark.multiprocess
 @pytest.mark.parametrize(("world_size", "microbatches"), [(2, 4), (4, 8)])
 def test_measured_bubble_matches_theory_and_logs(world_size: int, microbatches: int, tmp_path: Path) -> None:
     """Bubble runs draw no pictures (rank 0 rendering a PNG would delay the next step); a third run draws them."""
@@ -77,6 +78,7 @@ def test_measured_bubble_matches_theory_and_logs(world_size: int, microbatches: 
     assert (tmp_path / "pics" / "traces" / "pipeline_step2.png").exists()
 
 
+@pytest.mark.multiprocess
 def test_bubbles_of_interleaved_and_zero_bubble_schedules_match_theory() -> None:
     """4 ranks x 8 micro-batches of layers whose forward, input gradient and weight gradient each sleep alike
     (F = I = W): the measured bubble is the theory's, and both are below 1F1B's."""
@@ -122,6 +124,7 @@ def test_idle_is_the_gaps_between_a_stages_actions_not_its_bubble() -> None:
     assert metrics["pipeline/stage1/comm_wait_ms"] == pytest.approx(1.1)
 
 
+@pytest.mark.multiprocess
 def test_summary_table_without_logger() -> None:
     ranks = launch(2, [{"scenario": "monitored", "kwargs": {"model": "sleepy2", "schedule": "1f1b",
                                                              "microbatches": 2, "log_dir": None}}], timeout=200)
@@ -169,6 +172,7 @@ def test_monitor_accepts_paths_and_turning_pictures_off(tmp_path: Path) -> None:
     assert (monitor.logging_interval, monitor.timeline_every_n_steps, monitor.trace_dir) == (5, 0, None)
 
 
+@pytest.mark.multiprocess
 def test_memory_per_stage_is_logged_tabulated_and_follows_the_schedule(tmp_path: Path) -> None:
     """The tied LM (4 blocks of Linear + GELU, embedding tied to the head), 2 ranks, 8 micro-batches of one sample:
     every stage logs its peak of saved activations and its parameters. GPipe keeps all 8 micro-batches' activations

@@ -15,15 +15,27 @@ import statistics
 from pathlib import Path
 
 import pytest
-import test_checkpoints
-import test_failures
-import test_lifecycle
-import test_real_models
 from _launch import launch
-from test_equivalence import assemble, assert_trains_like, pipelined, reference
+from support import (
+    assemble,
+    assert_params_close,
+    assert_trains_like,
+    check_all,
+    check_dead_peer_raises_timeout_on_the_other_rank,
+    check_lifecycle,
+    check_user_error_reaches_the_other_stage,
+    epochs_run,
+    job,
+    pipelined,
+    reference,
+    single_device_state,
+    validated_and_predicted,
+)
 
 from lightning_pp._nccl_emulation import ENV_VAR
-from lightning_pp.simulate import COMM_TRANSFER, FORWARD
+from lightning_pp.simulate import COMM_WAIT, FORWARD
+
+pytestmark = pytest.mark.multiprocess
 
 
 @pytest.fixture(autouse=True)
@@ -51,18 +63,17 @@ def test_nested_tensors_arrive_intact_with_headers_on_the_host() -> None:
     assert ranks[1].results[0] == [[i + 7.0] * (rows * cols) for i, (rows, cols) in enumerate(sizes)]
 
 
-def test_payload_wait_is_timed_as_transfer_not_compute() -> None:
+def test_payload_wait_is_timed_as_communication_not_compute() -> None:
     """Finding 5: the compute's clock started before the payloads were posted and waited for, so forward and backward
-    absorbed the communication and transfers read about 0."""
+    absorbed the wait for the peer's payload."""
     delay = 0.5
     ranks = launch(2, [{"scenario": "payload_wait_timing", "kwargs": {"delay": delay}}], timeout=60)
     assert not ranks[1].errors, ranks[1].errors
     events = ranks[1].results[0]
     forward = sum(seconds for action, category, seconds in events if category == FORWARD)
-    transfer = sum(seconds for action, category, seconds in events
-                   if action == "1RECV_F0" and category == COMM_TRANSFER)
+    waiting = sum(seconds for action, category, seconds in events if action == "1RECV_F0" and category == COMM_WAIT)
     assert forward < 0.5 * delay, events
-    assert transfer > 0.8 * delay, events
+    assert waiting > 0.8 * delay, events
 
 
 def test_schedules_match_single_device() -> None:
@@ -75,24 +86,24 @@ def test_schedules_match_single_device() -> None:
 
 
 def test_validation_test_predict_and_metrics_match_single_device() -> None:
-    test_lifecycle.check_lifecycle(2, [("1f1b", 2), ("interleaved_1f1b", 8)])
+    check_lifecycle(2, [("1f1b", 2), ("interleaved_1f1b", 8)])
 
 
 def test_pytorch_transformer_encoder_evaluates_on_nested_tensors(tmp_path: Path) -> None:
-    run = test_real_models.job("torch_encoder", schedule="1f1b", microbatches=2, dirpath=str(tmp_path / "encoder"))
-    test_real_models.check_all(2, [run], [test_real_models.validated_and_predicted("torch_encoder")], timeout=180)
+    run = job("torch_encoder", schedule="1f1b", microbatches=2, dirpath=str(tmp_path / "encoder"))
+    check_all(2, [run], [validated_and_predicted("torch_encoder")], timeout=180)
 
 
 def test_full_checkpoint_gathers_on_the_object_group(tmp_path: Path) -> None:
     """Finding 7: the full checkpoint is gathered through a gloo group of its own (on NCCL the default group's
     ``gather_object`` would allocate the largest object times the world on rank 0's GPU)."""
-    uninterrupted = test_checkpoints.single_device(max_epochs=2)
+    uninterrupted = single_device_state(max_epochs=2)
     saved = str(tmp_path / "two.ckpt")
-    ranks = launch(2, [test_checkpoints.run(schedule="1f1b", microbatches=2, max_epochs=1, save_to=saved, trainer={}),
-                       test_checkpoints.run(schedule="1f1b", microbatches=2, max_epochs=2, ckpt_path=saved,
-                                            trainer={})], timeout=200)
-    test_checkpoints.assert_params_close(assemble(ranks, 1)[0], uninterrupted,
-                                         "emulated NCCL: saved after one epoch, resumed for the second")
+    ranks = launch(2, [epochs_run(schedule="1f1b", microbatches=2, max_epochs=1, save_to=saved, trainer={}),
+                       epochs_run(schedule="1f1b", microbatches=2, max_epochs=2, ckpt_path=saved, trainer={})],
+                   timeout=200)
+    assert_params_close(assemble(ranks, 1)[0], uninterrupted,
+                        "emulated NCCL: saved after one epoch, resumed for the second")
 
 
 def test_monitor_measures_the_bubble_of_1f1b() -> None:
@@ -106,8 +117,8 @@ def test_monitor_measures_the_bubble_of_1f1b() -> None:
 
 
 def test_user_error_on_one_stage_reaches_the_other() -> None:
-    test_failures.test_user_error_on_one_stage_reaches_the_other()
+    check_user_error_reaches_the_other_stage()
 
 
 def test_dead_peer_raises_timeout_on_the_other_rank() -> None:
-    test_failures.test_dead_peer_raises_timeout_on_the_other_rank()
+    check_dead_peer_raises_timeout_on_the_other_rank()

@@ -6,6 +6,8 @@ import pytest
 import torch
 from _launch import launch
 
+pytestmark = pytest.mark.multiprocess
+
 STEPS = [
     [("float32", [4, 3]), ("float32", [2, 5, 2]), ("int64", [3])],  # nothing expected yet
     [("float32", [4, 3]), ("float32", [2, 5, 2]), ("int64", [3])],  # steady state: payloads posted ahead

@@ -172,6 +172,7 @@ def held_outside(result: dict[str, Any], blocks: str) -> set[str]:
     return {k for k in result["state"] if not k.startswith(blocks)}
 
 
+@pytest.mark.multiprocess
 def test_real_jobs_hold_each_weight_where_it_is_used() -> None:
     """Hugging Face GPT-2 on 2 stages: the tied embedding/head on both, the position table on the first, the final
     norm on the last; the tied LM on 4 stages: the embedding on the first and last only (their own group sums its

@@ -1,5 +1,6 @@
 """Multi-process tier for modules shaped like real models (issue 11), unmodified, pipelined on 2 and 4 gloo ranks and
-compared with plain single-device Lightning run in this process (the models and the run: ``real_models.py``).
+compared with plain single-device Lightning run in this process (the models and the run: ``real_models.py``; the
+comparisons: ``support.py``).
 
 Compared for every run: the logged losses (within 1e-5), the gradients every optimizer step applied (each element
 within 1e-5 of its tensor's largest magnitude), and that weights replicated on several stages are identical there. For
@@ -14,132 +15,26 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable
-from functools import cache
 from pathlib import Path
-from typing import Any
 
 import pytest
 import real_models
 import torch
-from _launch import RankResult, launch
+from support import (
+    METRIC_RTOL,
+    SCHEDULE_NAMES,
+    Result,
+    check_all,
+    check_logged,
+    compare,
+    job,
+    logged,
+    merged_state,
+    real_model_reference,
+    validated_and_predicted,
+)
 
-RTOL, ATOL = 1e-5, 5e-6  # parameters after SGD
-LOSS_TOL = 1e-5  # logged training losses, absolute
-METRIC_RTOL = 1e-5  # validation metrics and checkpoint scores, relative
-GRAD_TOL = 1e-5  # relative to the largest magnitude of each gradient tensor
-SCHEDULE_NAMES = ["naive", "gpipe", "1f1b"]
 ADAMW_MODELS = {"hf_gpt2", "hf_gpt2_dropout", "hf_gpt2_padded", "nanogpt", "sliced"}
-Result = dict[str, Any]
-
-
-@cache
-def reference(model: str) -> Result:
-    """The single-device run (this process runs one compute thread, like every rank: see conftest.py)."""
-    return real_models.run(model)
-
-
-def job(model: str, **strategy: Any) -> dict[str, Any]:
-    return {"scenario": "train_real", "kwargs": {"model": model, **strategy}}
-
-
-def prefixed(prefix: str) -> Callable[[str], str]:
-    """An ``assert_close`` message that keeps torch's mismatch report and says which tensor it is."""
-    return lambda message: f"{prefix}: {message}"
-
-
-def stage_results(ranks: list[RankResult], index: int) -> list[Result]:
-    """Every stage's result of run ``index``, or an AssertionError with the ranks' errors."""
-    errors = {rank: result.errors[index] for rank, result in enumerate(ranks) if index in result.errors}
-    if errors:
-        summary = "; ".join(f"rank {rank}: {error['type']}: {error['message'][:300]}" for rank, error in errors.items())
-        first = next(iter(errors.values()))
-        raise AssertionError(f"{summary}\n{first['traceback']}")
-    missing = [rank for rank, result in enumerate(ranks) if result.results[index] is None]
-    if missing:
-        tails = "\n".join(f"--- rank {rank} (exit code {ranks[rank].returncode}) ---\n{ranks[rank].output[-1500:]}"
-                          for rank in missing)
-        raise AssertionError(f"not run on ranks {missing} (an earlier run stopped them):\n{tails}")
-    return [result.results[index] for result in ranks]
-
-
-def check_all(world_size: int, runs: list[dict[str, Any]], checks: list[Callable[[list[Result], str], None]],
-              timeout: float) -> None:
-    """Launch ``runs`` and apply ``checks[i]`` to run ``i``'s stage results; report every failing run at once."""
-    assert len(runs) == len(checks)
-    ranks = launch(world_size, runs, timeout=timeout)
-    failures = []
-    for index, (run, check) in enumerate(zip(runs, checks, strict=True)):
-        label = f"{world_size} stages {run['kwargs']}"
-        try:
-            check(stage_results(ranks, index), label)
-        except AssertionError as error:
-            failures.append(f"{label}: {error}")
-    if failures:
-        pytest.fail("\n\n".join(failures), pytrace=False)
-
-
-def merged_state(results: list[Result]) -> dict[str, torch.Tensor]:
-    """The full model from every stage's state dict; an entry present on several stages must be identical there."""
-    full: dict[str, torch.Tensor] = {}
-    for stage, result in enumerate(results):
-        for name, value in result["state"].items():
-            if name in full:
-                assert torch.equal(full[name], value), f"replicated {name} differs on stage {stage}"
-            else:
-                full[name] = value
-    return full
-
-
-def merged_grads(results: list[Result]) -> list[dict[str, torch.Tensor]]:
-    """Per optimizer step, every stage's applied gradients; a replicated weight's must be identical on its stages."""
-    steps = {len(result["grads"]) for result in results}
-    assert len(steps) == 1, f"stages made different numbers of optimizer steps: {[len(r['grads']) for r in results]}"
-    merged: list[dict[str, torch.Tensor]] = []
-    for step in range(steps.pop()):
-        got: dict[str, torch.Tensor] = {}
-        for stage, result in enumerate(results):
-            for name, grad in result["grads"][step].items():
-                if name in got:
-                    assert torch.equal(got[name], grad), f"step {step}: gradient of replicated {name} differs on " \
-                                                         f"stage {stage}"
-                got[name] = grad
-        merged.append(got)
-    return merged
-
-
-def check_grads(got: list[dict[str, torch.Tensor]], want: list[dict[str, torch.Tensor]], label: str) -> float:
-    """Each element within GRAD_TOL of its tensor's largest magnitude; returns the worst relative difference."""
-    assert len(got) == len(want), f"{len(got)} optimizer steps, single device made {len(want)}"
-    worst = 0.0
-    for step, (got_step, want_step) in enumerate(zip(got, want, strict=True)):
-        assert sorted(got_step) == sorted(want_step), f"step {step}: gradients of {sorted(got_step)} applied, single " \
-                                                      f"device applied {sorted(want_step)}"
-        for name, grad in want_step.items():
-            scale = grad.abs().max().item()
-            worst = max(worst, (got_step[name] - grad).abs().max().item() / (scale + 1e-30))
-            torch.testing.assert_close(got_step[name], grad, rtol=0, atol=GRAD_TOL * scale + 1e-12,
-                                       msg=prefixed(f"{label} step {step} gradient of {name}"))
-    return worst
-
-
-def check_params(full: dict[str, torch.Tensor], want: dict[str, torch.Tensor], label: str) -> float:
-    for name, value in want.items():
-        torch.testing.assert_close(full[name], value, rtol=RTOL, atol=ATOL, msg=prefixed(f"{label} {name}"))
-    return max(((full[n].float() - v.float()).abs().max().item() for n, v in want.items() if v.numel()), default=0.0)
-
-
-def logged(history: list, key: str) -> list[tuple[int, float]]:
-    return [(step, metrics[key]) for step, metrics in history if key in metrics]
-
-
-def check_logged(history: list, want_history: list, key: str, abs_tol: float = 0.0, rel_tol: float = 0.0) -> float:
-    got, want = logged(history, key), logged(want_history, key)
-    assert [s for s, _ in got] == [s for s, _ in want], f"{key} logged at steps {[s for s, _ in got]}, single device " \
-                                                        f"at {[s for s, _ in want]}"
-    for (step, value), (_, wanted) in zip(got, want, strict=True):
-        assert abs(value - wanted) <= abs_tol + rel_tol * abs(wanted), f"{key} at step {step}: {value} vs single " \
-                                                                       f"device {wanted}"
-    return max((abs(v - w) for (_, v), (_, w) in zip(got, want, strict=True)), default=0.0)
 
 
 def matches(model: str, params: bool | None = None) -> Callable[[list[Result], str], None]:
@@ -147,21 +42,9 @@ def matches(model: str, params: bool | None = None) -> Callable[[list[Result], s
     compare_params = model not in ADAMW_MODELS if params is None else params
 
     def check(results: list[Result], label: str) -> None:
-        compare(results, reference(model), label, compare_params)
+        compare(results, real_model_reference(model), label, compare_params)
 
     return check
-
-
-def compare(results: list[Result], want: Result, label: str, params: bool) -> None:
-    full = merged_state(results)
-    assert sorted(full) == sorted(want["state"]), (
-        f"state-dict keys over all stages differ from one device's: missing {sorted(set(want['state']) - set(full))}, "
-        f"extra {sorted(set(full) - set(want['state']))}")
-    loss_diff = check_logged(results[0]["history"], want["history"], "train_loss", abs_tol=LOSS_TOL)
-    grad_diff = check_grads(merged_grads(results), want["grads"], label)
-    param_diff = check_params(full, want["state"], label) if params else float("nan")
-    print(f"{label}: max |loss difference| {loss_diff:.1e}, max relative gradient difference {grad_diff:.1e}, "
-          f"max |parameter difference| {param_diff:.1e}")
 
 
 # ------------------------------------------------------------------------------------------------ checks of one run
@@ -170,7 +53,7 @@ def dropout_trains(results: list[Result], label: str) -> None:
     finite and falling over 3 epochs of the same 4 batches, and close to one device's."""
     merged_state(results)
     losses = [value for _, value in logged(results[0]["history"], "train_loss")]
-    want = [value for _, value in logged(reference("hf_gpt2_dropout")["history"], "train_loss")]
+    want = [value for _, value in logged(real_model_reference("hf_gpt2_dropout")["history"], "train_loss")]
     assert len(losses) == len(want) == 12, losses
     assert all(math.isfinite(value) for value in losses), losses
     first, last = sum(losses[:4]) / 4, sum(losses[-4:]) / 4
@@ -199,7 +82,7 @@ def identity_denoiser(microbatches: int) -> Callable[[list[Result], str], None]:
         drawn_per_step(results, 4, microbatches, label)
         losses = [value for _, value in logged(results[0]["history"], "train_loss")]
         assert losses == [0.0] * 4, f"identity blocks regressing the noise they were fed must log 0, got {losses}"
-        compare(results, reference("denoiser_identity"), label, params=True)
+        compare(results, real_model_reference("denoiser_identity"), label, params=True)
 
     return check
 
@@ -210,7 +93,7 @@ def trainable_denoiser(microbatches: int) -> Callable[[list[Result], str], None]
 
     def check(results: list[Result], label: str) -> None:
         noise = drawn_per_step(results, 4, microbatches, label)
-        own = reference("denoiser")["drawn"]
+        own = real_model_reference("denoiser")["drawn"]
         same = all(torch.equal(a, b) for a, b in zip(noise, own, strict=True))
         print(f"{label}: the pipeline's noise {'equals' if same else 'differs from'} one device's own draws")
         compare(results, real_models.run("denoiser", replay=noise), label, params=True)
@@ -221,7 +104,7 @@ def trainable_denoiser(microbatches: int) -> Callable[[list[Result], str], None]
 def perplexity_and_checkpoints(results: list[Result], label: str) -> None:
     """``val_ppl = exp(loss)`` per validation batch (and a max and a sum) as on one device, so ``ModelCheckpoint``
     keeps the same files."""
-    want = reference("val_ppl")
+    want = real_model_reference("val_ppl")
     compare(results, want, label, params=True)
     history = results[0]["history"]
     for key in ("val_ppl", "val_loss", "val_top", "val_tokens"):
@@ -239,7 +122,7 @@ def perplexity_and_checkpoints(results: list[Result], label: str) -> None:
 def backbone_finetuning(results: list[Result], label: str) -> None:
     """The embedding (tied to the head) is frozen for epoch 0 and trained from epoch 1: its gradient must be summed
     over the stages from then on, and the parameters follow one device's."""
-    want = reference("finetune")
+    want = real_model_reference("finetune")
     tied = "backbone.token.weight"
     assert tied not in want["grads"][0] and tied in want["grads"][-1], "the reference did not unfreeze the backbone"
     compare(results, want, label, params=True)
@@ -252,11 +135,12 @@ def test_single_device_references_are_sane() -> None:
     batch loss; the fine-tuning run unfreezes the tied embedding; splitting a draw by rows gives the same noise; the
     in-place run's balances put an in-place ReLU first on every later stage."""
     for model in real_models.SPECS:
-        losses = [value for _, value in logged(reference(model)["history"], "train_loss")]
+        losses = [value for _, value in logged(real_model_reference(model)["history"], "train_loss")]
         assert losses and all(math.isfinite(value) for value in losses), (model, losses)
-    assert [value for _, value in logged(reference("denoiser_identity")["history"], "train_loss")] == [0.0] * 4
+    assert ([value for _, value in logged(real_model_reference("denoiser_identity")["history"], "train_loss")]
+            == [0.0] * 4)
     for model in ("hf_gpt2", "hf_gpt2_dropout", "tuple_output", "val_ppl", "finetune"):
-        losses = [value for _, value in logged(reference(model)["history"], "train_loss")]
+        losses = [value for _, value in logged(real_model_reference(model)["history"], "train_loss")]
         assert losses[-1] < losses[0], (model, losses)
 
     module = real_models.PerplexityLM()
@@ -271,9 +155,10 @@ def test_single_device_references_are_sane() -> None:
     whole, per_half = halves.mean().exp(), halves.exp().mean()
     assert (per_half - whole) / whole > 1e-3, (float(per_half), float(whole))
     # the best checkpoint is neither the first nor the last, and one of three is dropped: decisions worth comparing
-    assert reference("val_ppl")["best_path"] == "epoch=1-step=8.ckpt", reference("val_ppl")["top_k"]
+    assert real_model_reference("val_ppl")["best_path"] == "epoch=1-step=8.ckpt", (
+        real_model_reference("val_ppl")["top_k"])
 
-    finetune = reference("finetune")["grads"]
+    finetune = real_model_reference("finetune")["grads"]
     assert [("backbone.token.weight" in step) for step in finetune] == [False] * 4 + [True] * 8
 
     generator = torch.Generator().manual_seed(0)
@@ -287,6 +172,7 @@ def test_single_device_references_are_sane() -> None:
         assert all(isinstance(features[i], torch.nn.ReLU) and features[i].inplace for i in starts), balance
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_gpt2_and_nanogpt_every_schedule(world_size: int) -> None:
@@ -309,6 +195,7 @@ def test_gpt2_and_nanogpt_every_schedule(world_size: int) -> None:
     check_all(world_size, runs, checks, timeout=200 if world_size == 2 else 280)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_inplace_sliced_tuple_and_dict_blocks(world_size: int) -> None:
@@ -328,6 +215,7 @@ def test_inplace_sliced_tuple_and_dict_blocks(world_size: int) -> None:
               else 240)
 
 
+@pytest.mark.multiprocess
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_shared_randomness_whole_batch_metrics_and_unfreezing(world_size: int, tmp_path: Path) -> None:
@@ -343,24 +231,7 @@ def test_shared_randomness_whole_batch_metrics_and_unfreezing(world_size: int, t
     check_all(world_size, runs, checks, timeout=180 if world_size == 2 else 240)
 
 
-def validated_and_predicted(model: str) -> Callable[[list[Result], str], None]:
-    """Training, the validation metrics, the checkpoint decisions and (when the run predicts) every rank's
-    predictions as on one device."""
-
-    def check(results: list[Result], label: str) -> None:
-        want = reference(model)
-        compare(results, want, label, params=True)
-        for key in ("val_loss", "val_ppl"):
-            check_logged(results[0]["history"], want["history"], key, rel_tol=METRIC_RTOL)
-        assert results[0]["best_path"] == want["best_path"], "best_model_path"
-        for rank, result in enumerate(results):
-            if "predictions" in want:
-                torch.testing.assert_close(result["predictions"], want["predictions"], rtol=RTOL, atol=ATOL,
-                                           msg=prefixed(f"{label}: rank {rank}'s predictions"))
-
-    return check
-
-
+@pytest.mark.multiprocess
 @pytest.mark.timeout(420)
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_pytorch_transformer_encoder(world_size: int, tmp_path: Path) -> None:

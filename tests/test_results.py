@@ -15,6 +15,7 @@ from lightning_pp.model.results import outputs_read
 STEPS = 9
 
 
+@pytest.mark.multiprocess
 def test_outputs_travel_intact_and_without_pickle_when_their_structure_repeats() -> None:
     ranks = launch(2, [{"scenario": "result_exchange", "kwargs": {"steps": STEPS}}], timeout=120)
     for rank_index, rank in enumerate(ranks):

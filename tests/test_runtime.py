@@ -77,6 +77,7 @@ print((faults() - before) / 20)
 """
 
 
+@pytest.mark.multiprocess
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="glibc's mallopt")
 def test_kept_cpu_memory_is_reused_without_page_faults() -> None:
     def faults(mode: str) -> float:
