@@ -14,9 +14,12 @@ import os
 import sys
 import threading
 import time
+from collections.abc import Iterator
 from typing import Any
 
-__all__ = ["FailureSignal"]
+from lightning_pp.errors import PipelineCommError
+
+__all__ = ["FailureSignal", "naming_failures"]
 
 _POLL_S = 0.5
 
@@ -66,3 +69,18 @@ class FailureSignal:
                 print(f"lightning_pp: rank {self._rank} ends: {self._message} (this rank had not finished "
                       f"{self._grace:.0f} s after that failure)", file=sys.stderr, flush=True)
                 os._exit(1)
+
+
+@contextlib.contextmanager
+def naming_failures(where: str, what: str, signal: FailureSignal | None) -> Iterator[None]:
+    """Turn a collective's failure (gloo and NCCL name only a socket) into an error naming this rank (``where``), the
+    collective (``what``) and, when one has reported, the rank that failed first."""
+    try:
+        yield
+    except PipelineCommError:
+        raise
+    except RuntimeError as error:
+        reported = signal.reported() if signal is not None else None
+        cause = (f"it follows another rank's failure: {reported}" if reported else
+                 "a peer has probably crashed: look at the other ranks' output for the first error")
+        raise PipelineCommError(f"Pipeline {where} failed in {what}: {error}; {cause}.") from error

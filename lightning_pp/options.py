@@ -11,6 +11,7 @@ from dataclasses import dataclass, field
 from datetime import timedelta
 from typing import Any
 
+import torch
 from torch.distributed.constants import default_pg_timeout
 
 from lightning_pp.actions import Schedule
@@ -227,6 +228,13 @@ class PipelineOptions:
     def recompute_every(self) -> int:
         """Recompute every this many blocks in backward; 0: keep every activation."""
         return int(self.activation_checkpointing) if self.activation_checkpointing is not False else 0
+
+    def check_backend(self, backend: str, device: torch.device) -> None:
+        """The process group's backend can carry transfers between ``device``s (before any collective)."""
+        check(not (backend == "gloo" and device.type == "cuda"),
+              f"process_group_backend='gloo' cannot carry the pipeline's transfers between CUDA devices ({device}): "
+              f"gloo does not move GPU memory between processes. Use process_group_backend='nccl' (or leave it None, "
+              f"which chooses NCCL for CUDA devices).")
 
     def check_world(self, num_stages: int, num_processes: int, num_nodes: int) -> None:
         """What every rank checks alike before any collective, once the world size is known: ``num_stages`` ranks per

@@ -82,6 +82,182 @@ def step_clock(device: torch.device) -> HostClock:
     return HostClock()
 
 
+_Key = tuple[int, int]  # (stage, micro-batch)
+# (action, category, start, header arrival or None, end) in clock stamps, turned into events after the step
+_Stamp = tuple[Action, str, Any, Any, Any]
+
+
+class _StageRun:
+    """One rank's state over one step: what each (stage, micro-batch) keeps between its actions, and the stamps."""
+
+    def __init__(
+        self,
+        schedule: Schedule,
+        rank: int,
+        forward: ForwardFn,
+        p2p: StageP2P | None,
+        *,
+        training: bool,
+        params: Callable[[int], list[torch.nn.Parameter]] | None,
+        timer: HostClock | None,
+    ) -> None:
+        self.forward = forward
+        self.p2p = p2p
+        self.training = training
+        self.params = params
+        self.timer = timer  # None: this step is not timed
+        self.last_stage = schedule.num_stages - 1
+        self.local = set(schedule.stages_of(rank))
+        self.inputs: dict[_Key, Any] = {}  # received (or handed over) activations, kept for backward
+        self.outputs: dict[_Key, Any] = {}  # stage outputs (the weighted loss on the last stage)
+        self.output_grads: dict[_Key, list[torch.Tensor]] = {}  # gradients w.r.t. a stage's outputs
+        self.input_grads: dict[_Key, list[torch.Tensor]] = {}  # gradients w.r.t. a stage's inputs, to send upstream
+        self.weight_work: dict[_Key, WeightGradients] = {}  # what an I left for its W
+        self.stamps: list[_Stamp] = []
+
+    @property
+    def transfers(self) -> StageP2P:
+        """The point-to-point link, which a schedule with transfers needs."""
+        assert self.p2p is not None
+        return self.p2p
+
+    def now(self) -> Any:
+        """A stamp of the step's clock, or None when the step is not timed."""
+        return self.timer.now() if self.timer is not None else None
+
+    def run(self, action: Action) -> None:
+        """Run one action, stamping it when the step is timed."""
+        kind = action.type
+        p2p = self.p2p
+        if p2p is not None and kind in _COMPUTE and p2p.batched:
+            self.flush_batched(p2p)
+        start = self.now()
+        handler = _HANDLERS.get(kind)
+        if handler is None:
+            raise PipelineScheduleError(f"The runtime cannot run action {action} ({kind.name}).")
+        header_arrived = handler(self, action)
+        if self.timer is not None:
+            self.stamps.append((action, CATEGORY_OF.get(kind, COMM_TRANSFER), start, header_arrived, self.timer.now()))
+
+    def flush_batched(self, p2p: StageP2P) -> None:
+        """Post the batched transfers queued before a compute action and wait for them."""
+        # batched payloads (NCCL) are posted before what may use them, and the stream waits for them there: mostly
+        # for the peer to compute them (its header left when its host queued the work), so timed as waiting for
+        # the receive they belong to, before the compute's own start
+        posted = self.now()
+        receive = p2p.flush()
+        if self.timer is not None and receive is not None:
+            self.stamps.append((receive, COMM_WAIT, posted, None, self.timer.now()))
+
+    def gradients_of_output(self, key: _Key) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
+        """The tensors to back-propagate from for ``key`` and their gradients (None: the loss, or nothing to do)."""
+        output = self.outputs.pop(key)
+        if key[0] == self.last_stage:
+            return [output], None
+        tensors = _needing_grad(output)
+        grads = self.output_grads.pop(key)
+        return tensors, grads if tensors else None
+
+    def hand_upstream(self, key: _Key, grads: list[torch.Tensor]) -> None:
+        """Give ``key``'s input gradients to the previous stage: on this rank directly, else through a SEND_B."""
+        stage, mb = key
+        if stage - 1 in self.local:
+            self.output_grads[(stage - 1, mb)] = grads
+        elif stage > 0:
+            self.input_grads[key] = grads
+
+    def run_forward(self, action: Action) -> None:
+        stage, mb = action.stage, action.microbatch
+        key = (stage, mb)
+        if stage - 1 in self.local:  # the previous stage ran on this rank: hand its output over
+            previous = self.outputs[(stage - 1, mb)] if self.training else self.outputs.pop((stage - 1, mb))
+            self.inputs[key] = map_tensors(previous, lambda t: t.detach().requires_grad_(t.requires_grad))
+        output = self.forward(stage, mb, self.inputs.get(key))
+        if self.training or stage != self.last_stage:
+            self.outputs[key] = output
+        if not self.training:
+            self.inputs.pop(key, None)
+
+    def run_backward(self, action: Action) -> None:
+        """The full backward: weight gradients accumulate, input gradients go upstream."""
+        key = (action.stage, action.microbatch)
+        tensors, grads = self.gradients_of_output(key)
+        if tensors:  # else: frozen layers fed by an input without gradient, nothing to do
+            torch.autograd.backward(tensors, grads)
+        if key in self.inputs:
+            self.hand_upstream(key, [t.grad if t.grad is not None else torch.zeros_like(t)
+                                     for t in _needing_grad(self.inputs.pop(key))])
+
+    def run_backward_input(self, action: Action) -> None:
+        """Input gradients only (they go upstream); the weights' part is left for the W."""
+        if self.params is None:
+            raise PipelineScheduleError(f"Action {action} splits the backward: run_stage needs `params`.")
+        key = (action.stage, action.microbatch)
+        tensors, grads = self.gradients_of_output(key)
+        had_input = key in self.inputs
+        received = _needing_grad(self.inputs.pop(key)) if had_input else []
+        weights = [p for p in self.params(action.stage) if p.requires_grad]
+        if tensors:
+            dinputs, self.weight_work[key] = backward_input(tensors, grads, received, weights)
+        else:  # frozen layers fed by an input without gradient, nothing to do
+            dinputs, self.weight_work[key] = [torch.zeros_like(t) for t in received], WeightGradients(weights)
+        if had_input:  # the previous stage waits for this (possibly empty) gradient, as after a B
+            self.hand_upstream(key, dinputs)
+
+    def run_backward_weight(self, action: Action) -> None:
+        backward_weight(self.weight_work.pop((action.stage, action.microbatch)))
+
+    def send_forward(self, action: Action) -> None:
+        key = (action.stage, action.microbatch)
+        self.transfers.send(self.outputs[key] if self.training else self.outputs.pop(key), action)
+
+    def send_backward(self, action: Action) -> None:
+        self.transfers.send(self.input_grads.pop((action.stage, action.microbatch)), action)
+
+    def recv_forward(self, action: Action) -> float:
+        """Receive an activation; returns when its header arrived."""
+        self.inputs[(action.stage, action.microbatch)], header_arrived = self.transfers.recv(action)
+        return header_arrived
+
+    def recv_backward(self, action: Action) -> float:
+        """Receive an output gradient; returns when its header arrived."""
+        self.output_grads[(action.stage, action.microbatch)], header_arrived = self.transfers.recv(action)
+        return header_arrived
+
+    def wait_sends(self, p2p: StageP2P, last: Action | None) -> None:
+        """Wait for the step's sends to complete, timed as waiting after the ``last`` action."""
+        start = self.now()
+        p2p.wait_sends()
+        if self.timer is not None and last is not None:
+            self.stamps.append((last, COMM_WAIT, start, None, self.timer.now()))
+
+    def record_events(self, timer: HostClock, events: list[TimelineEvent], rank: int) -> None:
+        """Turn the stamps into timeline events, appended to ``events`` (after the step)."""
+        timer.finish()
+        for action, category, start, header_arrived, end in self.stamps:
+            start_s = timer.seconds(start)
+            end_s = max(start_s, timer.seconds(end))
+            if header_arrived is not None:  # a receive: waiting for the peer, then moving the tensor
+                # clamped: on a device, the host may see the header before the stream reaches the receive
+                split = min(max(timer.seconds(header_arrived), start_s), end_s)
+                events.append(TimelineEvent(action.stage, action, COMM_WAIT, start_s, split, rank=rank))
+                start_s = split
+            events.append(TimelineEvent(action.stage, action, category, start_s, end_s, rank=rank))
+
+
+# what runs each kind of action; a handler returns when a received header arrived (None for other actions)
+_HANDLERS: dict[ActionType, Callable[[_StageRun, Action], float | None]] = {
+    ActionType.FORWARD: _StageRun.run_forward,
+    ActionType.BACKWARD: _StageRun.run_backward,
+    ActionType.BACKWARD_INPUT: _StageRun.run_backward_input,
+    ActionType.BACKWARD_WEIGHT: _StageRun.run_backward_weight,
+    ActionType.SEND_F: _StageRun.send_forward,
+    ActionType.SEND_B: _StageRun.send_backward,
+    ActionType.RECV_F: _StageRun.recv_forward,
+    ActionType.RECV_B: _StageRun.recv_backward,
+}
+
+
 def run_stage(
     schedule: Schedule,
     rank: int,
@@ -102,108 +278,13 @@ def run_stage(
     soon as the last action that needs them has run, so a rank holds only what its schedule keeps in flight.
     """
     actions = schedule.actions[rank]
-    last_stage = schedule.num_stages - 1
-    local = set(schedule.stages_of(rank))
-    Key = tuple[int, int]
-    inputs: dict[Key, Any] = {}  # received (or handed over) activations, kept for backward
-    outputs: dict[Key, Any] = {}  # stage outputs (the weighted loss on the last stage)
-    output_grads: dict[Key, list[torch.Tensor]] = {}  # gradients w.r.t. a stage's outputs
-    input_grads: dict[Key, list[torch.Tensor]] = {}  # gradients w.r.t. a stage's inputs, to send upstream
-    weight_work: dict[Key, WeightGradients] = {}  # what an I left for its W
-    # (action, category, start, header arrival or None, end) in clock stamps, turned into events after the step
-    stamps: list[tuple[Action, str, Any, Any, Any]] = []
-    timer = clock if events is not None else None  # None: this step is not timed
-
-    def gradients_of_output(stage: int, mb: int) -> tuple[list[torch.Tensor], list[torch.Tensor] | None]:
-        output = outputs.pop((stage, mb))
-        if stage == last_stage:
-            return [output], None
-        tensors = _needing_grad(output)
-        grads = output_grads.pop((stage, mb))
-        return tensors, grads if tensors else None
-
-    def hand_upstream(stage: int, mb: int, grads: list[torch.Tensor]) -> None:
-        if stage - 1 in local:
-            output_grads[(stage - 1, mb)] = grads
-        elif stage > 0:
-            input_grads[(stage, mb)] = grads
-
+    timer = clock if events is not None else None
+    run = _StageRun(schedule, rank, forward, p2p, training=training, params=params, timer=timer)
     if p2p is not None:
         p2p.start_step(actions)
     for action in actions:
-        stage, mb = action.stage, action.microbatch
-        key = (stage, mb)
-        kind = action.type
-        if p2p is not None and kind in _COMPUTE and p2p.batched:
-            # batched payloads (NCCL) are posted before what may use them, and the stream waits for them there: mostly
-            # for the peer to compute them (its header left when its host queued the work), so timed as waiting for
-            # the receive they belong to, before the compute's own start
-            posted = timer.now() if timer is not None else None
-            receive = p2p.flush()
-            if timer is not None and receive is not None:
-                stamps.append((receive, COMM_WAIT, posted, None, timer.now()))
-        start = timer.now() if timer is not None else None
-        header_arrived = None
-        if kind is ActionType.FORWARD:
-            if stage - 1 in local:  # the previous stage ran on this rank: hand its output over
-                previous = outputs[(stage - 1, mb)] if training else outputs.pop((stage - 1, mb))
-                inputs[key] = map_tensors(previous, lambda t: t.detach().requires_grad_(t.requires_grad))
-            output = forward(stage, mb, inputs.get(key))
-            if training or stage != last_stage:
-                outputs[key] = output
-            if not training:
-                inputs.pop(key, None)
-        elif kind is ActionType.BACKWARD:
-            tensors, grads = gradients_of_output(stage, mb)
-            if tensors:  # else: frozen layers fed by an input without gradient, nothing to do
-                torch.autograd.backward(tensors, grads)
-            if key in inputs:
-                hand_upstream(stage, mb, [t.grad if t.grad is not None else torch.zeros_like(t)
-                                          for t in _needing_grad(inputs.pop(key))])
-        elif kind is ActionType.BACKWARD_INPUT:
-            if params is None:
-                raise PipelineScheduleError(f"Action {action} splits the backward: run_stage needs `params`.")
-            tensors, grads = gradients_of_output(stage, mb)
-            had_input = key in inputs
-            received = _needing_grad(inputs.pop(key)) if had_input else []
-            weights = [p for p in params(stage) if p.requires_grad]
-            if tensors:
-                dinputs, weight_work[key] = backward_input(tensors, grads, received, weights)
-            else:  # frozen layers fed by an input without gradient, nothing to do
-                dinputs, weight_work[key] = [torch.zeros_like(t) for t in received], WeightGradients(weights)
-            if had_input:  # the previous stage waits for this (possibly empty) gradient, as after a B
-                hand_upstream(stage, mb, dinputs)
-        elif kind is ActionType.BACKWARD_WEIGHT:
-            backward_weight(weight_work.pop(key))
-        elif kind is ActionType.SEND_F:
-            assert p2p is not None
-            p2p.send(outputs[key] if training else outputs.pop(key), action)
-        elif kind is ActionType.SEND_B:
-            assert p2p is not None
-            p2p.send(input_grads.pop(key), action)
-        elif kind is ActionType.RECV_F:
-            assert p2p is not None
-            inputs[key], header_arrived = p2p.recv(action)
-        elif kind is ActionType.RECV_B:
-            assert p2p is not None
-            output_grads[key], header_arrived = p2p.recv(action)
-        else:
-            raise PipelineScheduleError(f"The runtime cannot run action {action} ({kind.name}).")
-        if timer is not None:
-            stamps.append((action, CATEGORY_OF.get(kind, COMM_TRANSFER), start, header_arrived, timer.now()))
+        run.run(action)
     if p2p is not None:
-        start = timer.now() if timer is not None else None
-        p2p.wait_sends()
-        if timer is not None and actions:
-            stamps.append((actions[-1], COMM_WAIT, start, None, timer.now()))
+        run.wait_sends(p2p, actions[-1] if actions else None)
     if timer is not None and events is not None:
-        timer.finish()
-        for action, category, start, header_arrived, end in stamps:
-            start_s = timer.seconds(start)
-            end_s = max(start_s, timer.seconds(end))
-            if header_arrived is not None:  # a receive: waiting for the peer, then moving the tensor
-                # clamped: on a device, the host may see the header before the stream reaches the receive
-                split = min(max(timer.seconds(header_arrived), start_s), end_s)
-                events.append(TimelineEvent(action.stage, action, COMM_WAIT, start_s, split, rank=rank))
-                start_s = split
-            events.append(TimelineEvent(action.stage, action, category, start_s, end_s, rank=rank))
+        run.record_events(timer, events, rank)

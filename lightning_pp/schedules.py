@@ -17,6 +17,7 @@ or until its ``W`` (most of the activations can go after ``I``).
 
 from __future__ import annotations
 
+import contextlib
 import csv
 import functools
 import os
@@ -34,6 +35,7 @@ __all__ = [
     "Action",
     "ActionType",
     "Schedule",
+    "StepSchedules",
     "add_communication",
     "build_schedule",
     "format_grid",
@@ -693,3 +695,43 @@ def validate_schedule(
         waiting = ", ".join(f"rank {r} at {actions[r][run.position[r]]}" for r in run.unfinished)
         stuck = run.unfinished[0]
         fail(f"Deadlock: every unfinished rank waits on a receive ({waiting}).", (stuck, run.position[stuck]))
+
+
+class StepSchedules:
+    """The schedules of one pipeline (``name`` on ``num_ranks`` ranks, ``stages_per_rank`` stages each), by micro-batch
+    count and direction, each built once. ``microbatches`` is the count of a full batch.
+
+    A last, short batch that the schedule cannot split into its count (interleaved 1F1B's rule, a file's fixed count)
+    is evaluated with a forward sweep over the same stages and trained with the largest count the schedule runs below
+    it; none is an error naming the batch.
+    """
+
+    def __init__(self, name: str, num_ranks: int, microbatches: int, stages_per_rank: int, fixed_count: bool) -> None:
+        self.name, self.num_ranks, self.microbatches = name, num_ranks, microbatches
+        self.stages_per_rank, self.fixed_count = stages_per_rank, fixed_count
+        self._built: dict[tuple[int, bool], Schedule] = {}
+
+    def __call__(self, count: int, forward_only: bool) -> Schedule:
+        key = (count, forward_only)
+        if key not in self._built:
+            self._built[key] = self._build(count, forward_only)
+        return self._built[key]
+
+    def _build(self, count: int, forward_only: bool) -> Schedule:
+        try:
+            return build_schedule(self.name, self.num_ranks, count, forward_only=forward_only,
+                                  stages_per_rank=self.stages_per_rank)
+        except PipelineConfigError as error:
+            if count >= self.microbatches:
+                raise
+            why = str(error)
+        if forward_only:
+            return forward_sweep(self(self.microbatches, False).stage_to_rank, count)
+        for fewer in range(count - 1, 0, -1) if not self.fixed_count else []:
+            with contextlib.suppress(PipelineConfigError):
+                return build_schedule(self.name, self.num_ranks, fewer, stages_per_rank=self.stages_per_rank)
+        raise PipelineConfigError(
+            f"A training batch of {count} samples cannot be split into micro-batches that schedule={self.name!r} runs "
+            f"on {self.num_ranks} ranks ({why}). Use batches of at least {self.microbatches} samples "
+            f"(DataLoader(drop_last=True) for a short last batch)."
+        )

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import atexit
-import contextlib
 import logging
 import os
 import signal
 import time
-from collections.abc import Callable, Generator, Iterator, Mapping, Sequence
-from contextlib import contextmanager
+from collections.abc import Callable, Generator, Mapping, Sequence
+from contextlib import AbstractContextManager, contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -31,14 +30,18 @@ from typing_extensions import override
 
 from lightning_pp import _compat
 from lightning_pp._allocator import keep_freed_cpu_memory
-from lightning_pp._failures import FailureSignal
+from lightning_pp._failures import FailureSignal, naming_failures
 from lightning_pp._logs import LogRecorder
-from lightning_pp._nccl_emulation import ENV_VAR, emulating_nccl
 from lightning_pp.actions import Schedule
 from lightning_pp.checkpoint import StageCheckpoints
-from lightning_pp.errors import PipelineCommError, PipelineConfigError
 from lightning_pp.grads import PipelineGradients
-from lightning_pp.model.assembly import StageAssembly, assemble_stage, place_outside_weights, placement_of
+from lightning_pp.model.assembly import (
+    StageAssembly,
+    assemble_stage,
+    place_outside_weights,
+    placement_of,
+    setup_optimizers_everywhere,
+)
 from lightning_pp.model.balance import resolve_balance
 from lightning_pp.model.placement import WeightPlacement
 from lightning_pp.model.results import outputs_read
@@ -46,9 +49,9 @@ from lightning_pp.model.split import Partition, is_split
 from lightning_pp.model.step import StepDriver
 from lightning_pp.options import PipelineOptions, check
 from lightning_pp.p2p import StageP2P, connect_stages
-from lightning_pp.schedules import build_schedule, forward_sweep
+from lightning_pp.schedules import StepSchedules
 from lightning_pp.telemetry import PipelineTelemetry
-from lightning_pp.topology import PipelineLayout, StageGroups
+from lightning_pp.topology import PipelineLayout, StageGroups, start_process_group
 
 __all__ = ["PipelineParallelStrategy"]
 
@@ -113,37 +116,20 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     strategy_name = "pipeline"
 
-    def __init__(
-        self,
-        *,
-        schedule: str | os.PathLike[str] = "1f1b",
-        pipeline_parallel_size: int | None = None,
-        stages_per_rank: int | None = None,
-        microbatches: int | None = None,
-        blocks: str | None = None,
-        sequential: str | None = None,
-        balance: Sequence[int] | str | None = None,
-        timeout: float = 300.0,
-        process_group_timeout: float | timedelta | None = None,
-        checkpoint_format: str = "full",
-        process_group_backend: str | None = None,
-        reuse_cpu_memory: bool = True,
-        microbatch_weight: Callable[[Any], Any] | None = None,
-        activation_checkpointing: bool | int = False,
-        outside_weights: str = "where_used",
-        accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None,
-        cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None,
-        precision_plugin: Precision | None = None,
+    def __init__(  # the arguments of PipelineOptions, then Lightning's own (LightningCLI reads this signature)
+        self, *, schedule: str | os.PathLike[str] = "1f1b", pipeline_parallel_size: int | None = None,
+        stages_per_rank: int | None = None, microbatches: int | None = None, blocks: str | None = None,
+        sequential: str | None = None, balance: Sequence[int] | str | None = None, timeout: float = 300.0,
+        process_group_timeout: float | timedelta | None = None, checkpoint_format: str = "full",
+        process_group_backend: str | None = None, reuse_cpu_memory: bool = True,
+        microbatch_weight: Callable[[Any], Any] | None = None, activation_checkpointing: bool | int = False,
+        outside_weights: str = "where_used", accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None, cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None, precision_plugin: Precision | None = None,
     ) -> None:
-        super().__init__(
-            accelerator=accelerator,
-            parallel_devices=parallel_devices,
-            cluster_environment=cluster_environment,
-            checkpoint_io=checkpoint_io,
-            precision_plugin=precision_plugin,
-        )
+        super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
+                         cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
+                         precision_plugin=precision_plugin)
         self.options = PipelineOptions(
             schedule=schedule, pipeline_parallel_size=pipeline_parallel_size, stages_per_rank=stages_per_rank,
             microbatches=microbatches, blocks=blocks, sequential=sequential, balance=balance, timeout=timeout,
@@ -166,7 +152,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         self.object_group: Any = None
         self._accumulating = False  # inside Lightning's block_backward_sync: gradients not synchronized yet
         self._failures: FailureSignal | None = None
-        self._schedules: dict[tuple[int, bool], Schedule] = {}
+        self._schedules: StepSchedules | None = None
         self._log_recorder = LogRecorder()
         self.telemetry = PipelineTelemetry()  # what PipelineMonitor reads, and its request for a timed step
 
@@ -274,10 +260,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         backend = self._process_group_backend or _compat._get_default_process_group_backend_for_device(
             self.root_device
         )
-        check(not (backend == "gloo" and self.root_device.type == "cuda"),
-               f"process_group_backend='gloo' cannot carry the pipeline's transfers between CUDA devices "
-               f"({self.root_device}): gloo does not move GPU memory between processes. Use "
-               f"process_group_backend='nccl' (or leave it None, which chooses NCCL for CUDA devices).")
+        self.options.check_backend(backend, self.root_device)
         super().setup_environment()
         if self.options.reuse_cpu_memory and self.root_device.type == "cpu":
             keep_freed_cpu_memory()
@@ -286,14 +269,8 @@ class PipelineParallelStrategy(ParallelStrategy):
             self.cluster_environment.set_world_size(self._world)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         self._process_group_backend = backend
-        assert self.cluster_environment is not None
-        _compat._init_dist_connection(self.cluster_environment, backend, timeout=self.process_group_timeout)
-        # object collectives (checkpoint gathering, reports, the monitor's timelines) pickle into tensors: on NCCL those
-        # would be GPU buffers of the largest object times the world on the receiving rank, so they use gloo
-        self.object_group = (dist.new_group(backend="gloo", timeout=self.process_group_timeout)
-                             if self._world > 1 and (backend != "gloo" or emulating_nccl()) else None)
-        if emulating_nccl() and backend == "gloo" and self.global_rank == 0:
-            log.warning(f"lightning_pp: {ENV_VAR} is set: the transfers follow NCCL's protocol on gloo.")
+        self.object_group = start_process_group(self.cluster_environment, backend, self.process_group_timeout,
+                                                self._world, self.global_rank)
         if backend == "gloo":
             atexit.unregister(_destroy_gloo_process_group)  # once, however many fits this process runs
             atexit.register(_destroy_gloo_process_group)
@@ -309,22 +286,9 @@ class PipelineParallelStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         assert module is not None
-        if trainer.state.fn == TrainerFn.FITTING and not module.automatic_optimization:
-            raise PipelineConfigError(
-                f"{type(module).__name__} uses manual optimization (automatic_optimization=False), which "
-                f"PipelineParallelStrategy does not support: the schedule runs forward and backward itself. Use "
-                f"automatic optimization, where Lightning calls the optimizers after the pipelined step."
-            )
-        if trainer.state.fn == TrainerFn.FITTING and self.num_stages > 1 and module.example_input_array is not None:
-            # Lightning's model summary (and a logger's graph) run the module on it when fit starts, outside the
-            # pipelined step, where the other stages' blocks cannot run: hidden until training starts
-            self._hidden_example_input = module.example_input_array
-            module.example_input_array = None
-            if self.global_rank == 0:
-                log.info("example_input_array is set aside until training starts: the model summary is shown without "
-                         "input and output sizes (a pipeline cannot run the whole model outside its steps).")
-        schedule = self._schedule(self.microbatches, forward_only=False)  # raises for a count it cannot run
         fitting = trainer.state.fn == TrainerFn.FITTING
+        self._prepare_module(module, fitting)
+        schedule = self._schedule(self.microbatches, forward_only=False)  # raises for a count it cannot run
         place_where_used = fitting and self.num_stages > 1 and self.options.outside_weights == "where_used"
         assembly = self._assembly = assemble_stage(
             module, schedule, self.layout, self.global_rank, blocks=self.options.blocks_name,
@@ -333,13 +297,34 @@ class PipelineParallelStrategy(ParallelStrategy):
             place_where_used=place_where_used)
         self._partition, self._groups, self._grads = assembly.partition, assembly.groups, assembly.grads
         self._placement = assembly.placement if place_where_used else None
-        partition, groups, shared = assembly.partition, assembly.groups, assembly.shared
-        if trainer.state.fn == TrainerFn.FITTING:
-            self._setup_optimizers_on_every_stage(trainer)
+        if fitting:
+            setup_optimizers_everywhere(lambda: self.setup_optimizers(trainer), module, assembly.partition,
+                                        self.stage, self._world, self.object_group)
         self.setup_precision_plugin()
         assembly.grads.install(self.precision_plugin, self._grad_scaler())
-        if trainer.state.fn == TrainerFn.FITTING:
+        if fitting:
             _compat._optimizers_to_device(self.optimizers, self.root_device)
+        self._connect(module, schedule, assembly)
+
+    def _prepare_module(self, module: pl.LightningModule, fitting: bool) -> None:
+        """Refuse manual optimization; set ``example_input_array`` aside while fit starts: Lightning's model summary
+        (and a logger's graph) run the module on it outside the pipelined step, where other stages' blocks cannot
+        run. It is back once training starts."""
+        check(not (fitting and not module.automatic_optimization),
+              f"{type(module).__name__} uses manual optimization (automatic_optimization=False), which "
+              f"PipelineParallelStrategy does not support: the schedule runs forward and backward itself. Use "
+              f"automatic optimization, where Lightning calls the optimizers after the pipelined step.")
+        if fitting and self.num_stages > 1 and module.example_input_array is not None:
+            self._hidden_example_input = module.example_input_array
+            module.example_input_array = None
+            if self.global_rank == 0:
+                log.info("example_input_array is set aside until training starts: the model summary is shown without "
+                         "input and output sizes (a pipeline cannot run the whole model outside its steps).")
+
+    def _connect(self, module: pl.LightningModule, schedule: Schedule, assembly: StageAssembly) -> None:
+        """The parts that run a step on the assembled stage: transfers, logging, the step driver, checkpoints and
+        what the monitor reads."""
+        partition, groups = assembly.partition, assembly.groups
         pipeline_groups = groups if self.num_stages > 1 else None
         self._log_recorder.attach(module, pipeline_groups)
         if self.num_stages > 1:
@@ -347,45 +332,13 @@ class PipelineParallelStrategy(ParallelStrategy):
                 dist.new_group(ranks, backend="gloo", timeout=self.process_group_timeout)))
         self._driver = StepDriver(module, partition.view, self._p2p, self._log_recorder, self.root_device,
                                   self._schedule, self.microbatches, self.options.microbatch_weight, pipeline_groups,
-                                  position=self.stage, shared=shared)
+                                  position=self.stage, shared=assembly.shared)
         self._checkpoints = StageCheckpoints(
             module, partition, self._not_on_last_stage, world=self._world, rank=self.global_rank, stage=self.stage,
             replica=self.replica, num_stages=self.num_stages, rank_of=self.layout.rank,
             object_group=lambda: self.object_group, device=self.root_device)
         self.telemetry = PipelineTelemetry(device=self.root_device, stage=self.stage, replica=self.replica,
                                            object_group=self.object_group, view=partition.view)
-
-    def _setup_optimizers_on_every_stage(self, trainer: pl.Trainer) -> None:
-        """``configure_optimizers`` sees only this stage's parameters, so it may fail on some stages alone (an empty
-        parameter list): make any stage's failure an error on every stage, so that no rank is left waiting."""
-        error: Exception | None = None
-        try:
-            self.setup_optimizers(trainer)
-        except Exception as caught:
-            if self._world == 1:
-                raise
-            error = caught
-        if self._world == 1:
-            return
-        assert self._partition is not None and self.lightning_module is not None
-        view = self._partition.view
-        report = None
-        if error is not None:
-            params = list(self.lightning_module.parameters())
-            total, trainable = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
-            report = (f"stage {self.stage} ({type(error).__name__}: {error}; it holds blocks "
-                      f"{view.local.start}-{view.local.stop - 1} of `{view.container_name}` and {total} parameters, "
-                      f"{trainable} trainable, counting those outside the blocks)")
-        reports: list[str | None] = [None] * self._world
-        dist.all_gather_object(reports, report, group=self.object_group)
-        failed = list(dict.fromkeys(r for r in reports if r is not None))  # replicas of a stage fail alike
-        if failed:
-            raise PipelineConfigError(
-                f"configure_optimizers failed on {len(failed)} pipeline stage(s): {'; '.join(failed)}. Each stage's "
-                f"optimizer gets only that stage's parameters; a stage without any (or, when configure_optimizers "
-                f"keeps only parameters with requires_grad, without trainable ones) gets an empty list. Pass "
-                f"PipelineParallelStrategy(balance=[...]) so that every stage holds blocks with trainable weights."
-            ) from error
 
     def _balance_for(self, trainer: pl.Trainer, module: pl.LightningModule) -> list[int] | None:
         """Blocks per stage for the split: the user's list, ``None`` for an even split, or what ``balance="params"`` /
@@ -473,19 +426,8 @@ class PipelineParallelStrategy(ParallelStrategy):
         replica = f"replica {self.replica}, " if self.num_replicas > 1 else ""
         return f"stage {self.stage} ({replica}rank {self.global_rank})"
 
-    @contextmanager
-    def _collective(self, what: str) -> Iterator[None]:
-        """Turn a collective's failure (gloo and NCCL name only a socket) into an error naming this rank, the
-        collective and, when one has reported, the rank that failed first."""
-        try:
-            yield
-        except PipelineCommError:
-            raise
-        except RuntimeError as error:
-            reported = self._failures.reported() if self._failures is not None else None
-            cause = (f"it follows another rank's failure: {reported}" if reported else
-                     "a peer has probably crashed: look at the other ranks' output for the first error")
-            raise PipelineCommError(f"Pipeline {self._where()} failed in {what}: {error}; {cause}.") from error
+    def _collective(self, what: str) -> AbstractContextManager[None]:
+        return naming_failures(self._where(), what, self._failures)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -537,32 +479,11 @@ class PipelineParallelStrategy(ParallelStrategy):
                      f"on_predict_batch_end hook), so predict_step returns None there.")
 
     def _schedule(self, num_microbatches: int, forward_only: bool) -> Schedule:
-        key = (num_microbatches, forward_only)
-        if key not in self._schedules:
-            self._schedules[key] = self._build_schedule(num_microbatches, forward_only)
-        return self._schedules[key]
-
-    def _build_schedule(self, count: int, forward_only: bool) -> Schedule:
-        """The schedule for ``count`` micro-batches. A last, short batch that the schedule cannot split into ``count``
-        (interleaved 1F1B's rule, a file's fixed count) is evaluated with a forward sweep and trained with the largest
-        count the schedule runs below ``count``; none is an error naming the batch."""
-        try:
-            return build_schedule(self.schedule_name, self.num_stages, count, forward_only=forward_only,
-                                  stages_per_rank=self.stages_per_rank)
-        except PipelineConfigError as error:
-            if count >= self.microbatches:
-                raise
-            why = str(error)
-        if forward_only:
-            return forward_sweep(self._schedule(self.microbatches, False).stage_to_rank, count)
-        for fewer in range(count - 1, 0, -1) if self.options.schedule_file is None else []:
-            with contextlib.suppress(PipelineConfigError):
-                return build_schedule(self.schedule_name, self.num_stages, fewer, stages_per_rank=self.stages_per_rank)
-        raise PipelineConfigError(
-            f"A training batch of {count} samples cannot be split into micro-batches that schedule="
-            f"{self.schedule_name!r} runs on {self.num_stages} ranks ({why}). Use batches of at least "
-            f"{self.microbatches} samples (DataLoader(drop_last=True) for a short last batch)."
-        )
+        """The schedule of a batch of ``num_microbatches`` (the world size is known from setup on)."""
+        if self._schedules is None:
+            self._schedules = StepSchedules(self.schedule_name, self.num_stages, self.microbatches,
+                                            self.stages_per_rank, fixed_count=self.options.schedule_file is not None)
+        return self._schedules(num_microbatches, forward_only)
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:

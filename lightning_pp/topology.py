@@ -2,11 +2,20 @@
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
+from datetime import timedelta
 from typing import Any
 
-__all__ = ["PipelineLayout", "StageGroups", "create_groups", "create_sharing_groups"]
+import torch.distributed as dist
+
+from lightning_pp import _compat
+from lightning_pp._nccl_emulation import ENV_VAR, emulating_nccl
+
+__all__ = ["PipelineLayout", "StageGroups", "create_groups", "create_sharing_groups", "start_process_group"]
+
+log = logging.getLogger(__name__)
 
 
 @dataclass(frozen=True)
@@ -130,3 +139,19 @@ def create_sharing_groups(layout: PipelineLayout, position_sets: Iterable[frozen
         if rank in ranks:
             mine[positions] = group
     return mine
+
+
+def start_process_group(cluster_environment: Any, backend: str, timeout: timedelta, world_size: int,
+                        rank: int) -> Any:
+    """Join the job's default process group; return the group for object collectives: a gloo group over the world
+    where the default group is not gloo (NCCL, or its emulation), else None (the default group).
+
+    Object collectives (checkpoint gathering, reports, the monitor's timelines) pickle into tensors: on NCCL those
+    would be GPU buffers of the largest object times the world on the receiving rank.
+    """
+    _compat._init_dist_connection(cluster_environment, backend, timeout=timeout)
+    if emulating_nccl() and backend == "gloo" and rank == 0:
+        log.warning(f"lightning_pp: {ENV_VAR} is set: the transfers follow NCCL's protocol on gloo.")
+    if world_size > 1 and (backend != "gloo" or emulating_nccl()):
+        return dist.new_group(backend="gloo", timeout=timeout)
+    return None

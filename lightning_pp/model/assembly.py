@@ -16,12 +16,13 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_pp.actions import Schedule
+from lightning_pp.errors import PipelineConfigError
 from lightning_pp.grads import PipelineGradients, broadcast_tensors
 from lightning_pp.model.placement import WeightPlacement
 from lightning_pp.model.split import Partition, is_split, split_module
 from lightning_pp.topology import PipelineLayout, StageGroups, create_groups, create_sharing_groups
 
-__all__ = ["StageAssembly", "assemble_stage", "place_outside_weights", "placement_of"]
+__all__ = ["StageAssembly", "assemble_stage", "place_outside_weights", "placement_of", "setup_optimizers_everywhere"]
 
 log = logging.getLogger(__name__)
 # where an earlier run in this process left the weights outside the blocks of a module (some ranks only)
@@ -111,3 +112,36 @@ def place_outside_weights(assembly: StageAssembly, optimizers: Sequence[Any], de
         groups.created.extend(created.values())
     grads.users = placement.users
     return placement.held()
+
+
+def setup_optimizers_everywhere(setup: Callable[[], None], module: nn.Module, partition: Partition, stage: int,
+                                world_size: int, object_group: Any) -> None:
+    """Run ``setup`` (Lightning's ``configure_optimizers`` on this stage's parameters) on every rank. It may fail on
+    some stages alone (an empty parameter list): any stage's failure becomes an error on every stage, so that no rank
+    is left waiting."""
+    error: Exception | None = None
+    try:
+        setup()
+    except Exception as caught:
+        if world_size == 1:
+            raise
+        error = caught
+    if world_size == 1:
+        return
+    view, report = partition.view, None
+    if error is not None:
+        params = list(module.parameters())
+        total, trainable = sum(p.numel() for p in params), sum(p.numel() for p in params if p.requires_grad)
+        report = (f"stage {stage} ({type(error).__name__}: {error}; it holds blocks "
+                  f"{view.local.start}-{view.local.stop - 1} of `{view.container_name}` and {total} parameters, "
+                  f"{trainable} trainable, counting those outside the blocks)")
+    reports: list[str | None] = [None] * world_size
+    dist.all_gather_object(reports, report, group=object_group)
+    failed = list(dict.fromkeys(r for r in reports if r is not None))  # replicas of a stage fail alike
+    if failed:
+        raise PipelineConfigError(
+            f"configure_optimizers failed on {len(failed)} pipeline stage(s): {'; '.join(failed)}. Each stage's "
+            f"optimizer gets only that stage's parameters; a stage without any (or, when configure_optimizers "
+            f"keeps only parameters with requires_grad, without trainable ones) gets an empty list. Pass "
+            f"PipelineParallelStrategy(balance=[...]) so that every stage holds blocks with trainable weights."
+        ) from error

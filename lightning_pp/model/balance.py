@@ -22,7 +22,7 @@ import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, NoReturn
 
 import lightning.pytorch as pl
 import torch
@@ -141,26 +141,35 @@ class _StepRun:
     inputs: list[tuple[tuple[Any, ...], dict[str, Any]]]  # each block's arguments in this run
 
 
-def _run_step(module: pl.LightningModule, blocks: list[nn.Module], microbatch: Any, device: torch.device,
-              step_context: Callable[[], AbstractContextManager[Any]]) -> _StepRun:
-    """One ``training_step`` and its backward, with the clock read where the blocks start and end."""
-    calls: list[tuple[nn.Module, float, tuple[Any, ...], dict[str, Any]]] = []
-    ends: list[float] = []
-    outputs: list[Any] = []
+class _BlockCalls:
+    """What the blocks' forward hooks saw in one step: each call's block, start and arguments, then its end and
+    output, with the clock read after the device's queued work."""
 
-    def before_block(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        _synchronize(device)
-        calls.append((block, time.perf_counter(), args, kwargs))
+    def __init__(self, device: torch.device) -> None:
+        self.device = device
+        self.starts: list[tuple[nn.Module, float, tuple[Any, ...], dict[str, Any]]] = []
+        self.ends: list[float] = []
+        self.outputs: list[Any] = []
 
-    def after_block(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        _synchronize(device)
-        ends.append(time.perf_counter())
-        outputs.append(output)
+    def before_block(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
+        _synchronize(self.device)
+        self.starts.append((block, time.perf_counter(), args, kwargs))
 
+    def after_block(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
+        _synchronize(self.device)
+        self.ends.append(time.perf_counter())
+        self.outputs.append(output)
+
+
+def _forward_step(module: pl.LightningModule, blocks: list[nn.Module], microbatch: Any, device: torch.device,
+                  step_context: Callable[[], AbstractContextManager[Any]]) -> tuple[Any, float, float, _BlockCalls]:
+    """``training_step`` on ``microbatch`` with the blocks' calls recorded: what it returned, the clock when it
+    started and when it returned, and the calls."""
+    calls = _BlockCalls(device)
     handles = []
     for block in {id(b): b for b in blocks}.values():  # a block listed twice is hooked once, and runs twice
-        handles.append(block.register_forward_pre_hook(before_block, with_kwargs=True))
-        handles.append(block.register_forward_hook(after_block, with_kwargs=True))
+        handles.append(block.register_forward_pre_hook(calls.before_block, with_kwargs=True))
+        handles.append(block.register_forward_hook(calls.after_block, with_kwargs=True))
     try:
         with step_context(), torch.enable_grad():
             _synchronize(device)
@@ -171,16 +180,12 @@ def _run_step(module: pl.LightningModule, blocks: list[nn.Module], microbatch: A
     finally:
         for handle in handles:
             handle.remove()
-    if [id(call[0]) for call in calls] != [id(b) for b in blocks] or len(ends) != len(blocks):
-        raise PipelineConfigError(
-            f"training_step ran {len(calls)} block calls where the container has {len(blocks)} blocks; a pipelined "
-            f"step must run every block once per micro-batch, in order."
-        )
-    loss = output.get("loss") if isinstance(output, Mapping) else output
-    run = _StepRun(calls[0][1] - started, returned - ends[-1], None, None, None,
-                   [(args, kwargs) for _, _, args, kwargs in calls])
-    if not isinstance(loss, Tensor) or not loss.requires_grad:
-        return run
+    return output, started, returned, calls
+
+
+def _time_backward(loss: Tensor, last_output: Any, run: _StepRun, device: torch.device) -> None:
+    """``loss.backward()`` into ``run``: the whole of it, and where gradient hooks saw the gradient reach the last
+    block's output and the first block's inputs."""
     reached: dict[str, float] = {}
 
     def mark(key: str, first: bool) -> Callable[[Tensor], None]:
@@ -191,7 +196,7 @@ def _run_step(module: pl.LightningModule, blocks: list[nn.Module], microbatch: A
 
         return hook
 
-    for t in _differentiable(outputs[-1]):
+    for t in _differentiable(last_output):
         t.register_hook(mark("last output", first=True))  # the gradient reached the blocks: the head is done
     first_inputs = _differentiable(run.inputs[0])
     for t in first_inputs:
@@ -208,6 +213,22 @@ def _run_step(module: pl.LightningModule, blocks: list[nn.Module], microbatch: A
         run.before_backward = 0.0  # nothing before the blocks receives a gradient through them
     elif "first inputs" in reached:
         run.before_backward = ended - reached["first inputs"]
+
+
+def _run_step(module: pl.LightningModule, blocks: list[nn.Module], microbatch: Any, device: torch.device,
+              step_context: Callable[[], AbstractContextManager[Any]]) -> _StepRun:
+    """One ``training_step`` and its backward, with the clock read where the blocks start and end."""
+    output, started, returned, calls = _forward_step(module, blocks, microbatch, device, step_context)
+    if [id(call[0]) for call in calls.starts] != [id(b) for b in blocks] or len(calls.ends) != len(blocks):
+        raise PipelineConfigError(
+            f"training_step ran {len(calls.starts)} block calls where the container has {len(blocks)} blocks; a "
+            f"pipelined step must run every block once per micro-batch, in order."
+        )
+    loss = output.get("loss") if isinstance(output, Mapping) else output
+    run = _StepRun(calls.starts[0][1] - started, returned - calls.ends[-1], None, None, None,
+                   [(args, kwargs) for _, _, args, kwargs in calls.starts])
+    if isinstance(loss, Tensor) and loss.requires_grad:
+        _time_backward(loss, calls.outputs[-1], run, device)
     return run
 
 
@@ -260,6 +281,18 @@ def measure_block_costs(module: pl.LightningModule, container_name: str, microba
     device = device if device is not None else module.device
     container = module.get_submodule(container_name)
     blocks = _blocks(container)
+    runs = _timed_steps(module, blocks, microbatch, device, step_context, repeats)
+    forward, backward = _time_blocks(blocks, runs[0].inputs, device, step_context, recompute_every, repeats)
+    module.zero_grad(set_to_none=True)
+    before_f = statistics.median(r.before_forward for r in runs)
+    after_f = statistics.median(r.after_forward for r in runs)
+    before_b, after_b = _backward_outside_blocks(runs, forward, backward, before_f, after_f, recompute_every)
+    return BlockCosts(forward, backward, (before_f, before_b), (after_f, after_b))
+
+
+def _timed_steps(module: pl.LightningModule, blocks: list[nn.Module], microbatch: Any, device: torch.device,
+                 step_context: Callable[[], AbstractContextManager[Any]], repeats: int) -> list[_StepRun]:
+    """One warm-up step, then ``repeats`` timed ones; only the first timed run keeps the blocks' arguments."""
     _run_step(module, blocks, microbatch, device, step_context)  # warm-up: lazy initialisations, allocator, kernels
     module.zero_grad(set_to_none=True)
     runs = []
@@ -268,24 +301,38 @@ def measure_block_costs(module: pl.LightningModule, container_name: str, microba
         module.zero_grad(set_to_none=True)
         if len(runs) > 1:
             runs[-1].inputs = []  # the blocks are timed alone on the first run's arguments only
+    return runs
+
+
+def _time_blocks(blocks: list[nn.Module], inputs: list[tuple[tuple[Any, ...], dict[str, Any]]], device: torch.device,
+                 step_context: Callable[[], AbstractContextManager[Any]], recompute_every: int,
+                 repeats: int) -> tuple[list[float], list[float]]:
+    """Each block's forward and backward seconds alone, on the arguments it had in the step; a recomputed block's
+    backward (activation checkpointing: every ``recompute_every``-th block) also pays its forward."""
     forward, backward = [], []
-    for index, (block, (args, kwargs)) in enumerate(zip(blocks, runs[0].inputs, strict=True)):
+    for index, (block, (args, kwargs)) in enumerate(zip(blocks, inputs, strict=True)):
         f, b = _time_block(block, args, kwargs, device, step_context, repeats)
         recomputed = recompute_every > 0 and index % recompute_every == 0
         forward.append(f)
         backward.append(b + f if recomputed else b)
-    module.zero_grad(set_to_none=True)
+    return forward, backward
 
-    def median(values: Sequence[float | None]) -> float | None:
-        known = [v for v in values if v is not None]
-        return statistics.median(known) if len(known) == len(values) else None
 
-    before_f = statistics.median(r.before_forward for r in runs)
-    after_f = statistics.median(r.after_forward for r in runs)
-    total_b = median([r.backward for r in runs])
+def _median_if_known(values: Sequence[float | None]) -> float | None:
+    """The median, or None when any run could not tell."""
+    known = [v for v in values if v is not None]
+    return statistics.median(known) if len(known) == len(values) else None
+
+
+def _backward_outside_blocks(runs: list[_StepRun], forward: list[float], backward: list[float], before_f: float,
+                             after_f: float, recompute_every: int) -> tuple[float, float]:
+    """The backward seconds before and after the blocks, as :func:`measure_block_costs` describes: what the hooks
+    measured, else what ``loss.backward()`` took beyond the rest, else twice the forward."""
+    total_b = _median_if_known([r.backward for r in runs])
     if total_b is None:
-        return BlockCosts(forward, backward, (before_f, 2 * before_f), (after_f, 2 * after_f))
-    before_b, after_b = median([r.before_backward for r in runs]), median([r.after_backward for r in runs])
+        return 2 * before_f, 2 * after_f
+    before_b = _median_if_known([r.before_backward for r in runs])
+    after_b = _median_if_known([r.after_backward for r in runs])
     if before_b is None or after_b is None:
         # blocks' backward measured alone, without recomputation (the probe's blocks are not checkpointed)
         blocks_b = sum(b - f if recompute_every > 0 and i % recompute_every == 0 else b
@@ -299,7 +346,7 @@ def measure_block_costs(module: pl.LightningModule, container_name: str, microba
         else:
             after_b = rest
     assert before_b is not None and after_b is not None
-    return BlockCosts(forward, backward, (before_f, before_b), (after_f, after_b))
+    return before_b, after_b
 
 
 def _why_not_time(trainer: pl.Trainer, module: pl.LightningModule) -> str | None:
@@ -395,45 +442,72 @@ def resolve_balance(by: str, module: pl.LightningModule, blocks: str | None, num
         return parameter_balance(container, num_stages)
     reason = _why_not_time(trainer, module)
     if reason is None:
-        measured: BlockCosts | None = None
-        error: Exception | None = None
-        costs = torch.full((len(_blocks(container)) + 2,), -torch.inf, dtype=torch.float64, device="cpu")
-        if global_rank == 0:
-            try:
-                measured = _probe_costs(module, name, trainer, device, microbatches, precision, recompute_every)
-            except Exception as caught:
-                error = caught
-            costs = measured.to_tensor() if measured is not None else costs.fill_(torch.nan if error else -torch.inf)
+        costs, measured, error = _costs_on_rank_zero(
+            lambda: _probe_costs(module, name, trainer, device, microbatches, precision, recompute_every),
+            len(_blocks(container)), global_rank)
         if world_size > 1:
-            with collective("the broadcast of the blocks' measured costs (balance='time')"):
-                costs = costs.to(device)
-                dist.broadcast(costs, src=0)
-                costs = costs.cpu()
+            costs = _broadcast_costs(costs, device, collective)
         if costs.isnan().any():
-            message = [f"{type(error).__name__}: {error}" if error is not None else None]
-            if world_size > 1:
-                with collective("the broadcast of the balance probe's error (balance='time')"):
-                    dist.broadcast_object_list(message, src=0, group=object_group)
-            raise PipelineConfigError(
-                f"balance='time': measuring the blocks of `{name}` on global rank 0 failed ({message[0]}). Pass "
-                f"balance='params' or a list of blocks per stage instead."
-            ) from error
+            _raise_probe_error(name, error, world_size, collective, object_group)
         if not costs.isinf().any():
             values = costs.tolist()
             split = min_max_partition(values[1:-1], num_stages, first_extra=values[0], last_extra=values[-1])
             if global_rank == 0:
                 assert measured is not None
-                per_stage = stage_costs(values[1:-1], split, values[0], values[-1])
-                log.info(f"balance='time': per block forward ms [{_ms(measured.forward)}], backward ms "
-                         f"[{_ms(measured.backward)}]; before the blocks {_ms(measured.before)} ms, after them "
-                         f"{_ms(measured.after)} ms (forward, backward); split {split}, stage costs "
-                         f"[{_ms(per_stage)}] ms per micro-batch")
-                print(f"lightning_pp: balance='time' split {split} (stage costs [{_ms(per_stage)}] ms per "
-                      f"micro-batch; per block [{_ms(values[1:-1])}] ms, before the blocks {1e3 * values[0]:.2f} ms, "
-                      f"after {1e3 * values[-1]:.2f} ms)")
+                _report_time_split(measured, values, split)
             return split
         reason = "the train dataloader gave no batch that can be read without taking it from training"
     split = parameter_balance(container, num_stages)
     if global_rank == 0:
         log.info(f"balance='time' falls back to balance='params' ({reason}): split {split}")
     return split
+
+
+def _costs_on_rank_zero(probe: Callable[[], BlockCosts | None], num_blocks: int,
+                        global_rank: int) -> tuple[Tensor, BlockCosts | None, Exception | None]:
+    """Global rank 0 runs ``probe``: the tensor every rank is to receive (``BlockCosts.to_tensor``; NaNs: the probe
+    failed; -inf: no batch to measure on, and on other ranks), what was measured and the probe's error."""
+    measured: BlockCosts | None = None
+    error: Exception | None = None
+    costs = torch.full((num_blocks + 2,), -torch.inf, dtype=torch.float64, device="cpu")
+    if global_rank == 0:
+        try:
+            measured = probe()
+        except Exception as caught:
+            error = caught
+        costs = measured.to_tensor() if measured is not None else costs.fill_(torch.nan if error else -torch.inf)
+    return costs, measured, error
+
+
+def _broadcast_costs(costs: Tensor, device: torch.device,
+                     collective: Callable[[str], AbstractContextManager[None]]) -> Tensor:
+    """Global rank 0's ``costs`` on every rank (through ``device``: NCCL sends CUDA tensors only), on the CPU."""
+    with collective("the broadcast of the blocks' measured costs (balance='time')"):
+        costs = costs.to(device)
+        dist.broadcast(costs, src=0)
+        return costs.cpu()
+
+
+def _raise_probe_error(name: str, error: Exception | None, world_size: int,
+                       collective: Callable[[str], AbstractContextManager[None]], object_group: Any) -> NoReturn:
+    """Raise global rank 0's probe failure on every rank, with its message (broadcast: only rank 0 has ``error``)."""
+    message = [f"{type(error).__name__}: {error}" if error is not None else None]
+    if world_size > 1:
+        with collective("the broadcast of the balance probe's error (balance='time')"):
+            dist.broadcast_object_list(message, src=0, group=object_group)
+    raise PipelineConfigError(
+        f"balance='time': measuring the blocks of `{name}` on global rank 0 failed ({message[0]}). Pass "
+        f"balance='params' or a list of blocks per stage instead."
+    ) from error
+
+
+def _report_time_split(measured: BlockCosts, values: list[float], split: list[int]) -> None:
+    """Log what global rank 0 measured and print the split it gives."""
+    per_stage = stage_costs(values[1:-1], split, values[0], values[-1])
+    log.info(f"balance='time': per block forward ms [{_ms(measured.forward)}], backward ms "
+             f"[{_ms(measured.backward)}]; before the blocks {_ms(measured.before)} ms, after them "
+             f"{_ms(measured.after)} ms (forward, backward); split {split}, stage costs "
+             f"[{_ms(per_stage)}] ms per micro-batch")
+    print(f"lightning_pp: balance='time' split {split} (stage costs [{_ms(per_stage)}] ms per "
+          f"micro-batch; per block [{_ms(values[1:-1])}] ms, before the blocks {1e3 * values[0]:.2f} ms, "
+          f"after {1e3 * values[-1]:.2f} ms)")

@@ -120,103 +120,59 @@ class StepDriver:
         loss and ``self.log`` calls reach every stage; its outputs (what an evaluation step returns, a training step's
         dict entries beyond the loss) only where :meth:`decide_outputs` said so, elsewhere the other stages return
         ``None`` (training: the loss alone)."""
-        module, view = self.module, self.view
-        training = step_name == "training_step"
-        user_step = getattr(module, step_name)
-        batch, rest = args[0], args[1:]
-        schedule = self.schedule_for(self._microbatch_count(batch), not training)
-        microbatches, sizes = split_batch(batch, schedule.num_microbatches)
-        total = sum(sizes)
-        shares = self._shares(microbatches, sizes) if training else [float(size) for size in sizes]
-        weights = [share / sum(shares) / accumulation for share in shares]
-        last = self.holds_last
-        losses: dict[int, Tensor] = {}  # training: the last stage's micro-batch losses
-        extras: dict[int, dict[str, Any]] = {}  # training: the other entries of a dict training_step returned
-        block_outputs: dict[int, Any] = {}  # evaluation on the last stage: what the blocks gave per micro-batch
+        step = _Step(self, step_name, args, kwargs, accumulation=accumulation, scaler=scaler)
+        events: list[TimelineEvent] | None = [] if step.training and timing_sink is not None else None
+        self._run_schedule(step, events)
+        result: Any = None
+        extra: dict[str, Any] | None = None
+        records: list[Any] = []
+        if self.holds_last and step.training:
+            result, extra, records = step.finish_training()
+        elif self.holds_last:
+            result, records = step.finish_evaluation()
+        result, extra, records = self._share_results(step, result, extra, records, collective)
+        replay(self.module, records, updated_here=self.holds_last)
+        if events is not None and timing_sink is not None:
+            timing_sink(events, step.total)
+        return step.returned(result, extra)
 
-        def forward(stage: int, mb: int, received: Any) -> Any:
-            last_pass = stage == self.last_stage
-            stop_after_blocks = not (last_pass and training)
-            view.on_blocks_start = lambda: self.randomness.blocks_start(mb, stage)
-            recording = self.recorder.recording(module, mb if last_pass and training else None)
-            with view.microbatch(stage, received, stop_after_blocks), self.randomness.pass_(mb), recording:
-                try:
-                    output = user_step(microbatches[mb], *rest, **kwargs)
-                except StageOutput as end:
-                    if not last_pass:
-                        return end.output
-                    block_outputs[mb] = end.output
-                    return _NOTHING
-            if stop_after_blocks or view.last_block_calls == 0:
-                raise PipelineConfigError(
-                    f"{step_name} returned on pipeline stage {stage} without running its blocks "
-                    f"{view.local.start}-{view.local.stop - 1} of `{view.container_name}`. A pipelined step must run "
-                    f"every block of the container once per micro-batch (through the model's forward or a loop)."
-                )
-            loss = output.get("loss") if isinstance(output, Mapping) else output
-            if not isinstance(loss, Tensor):
-                raise PipelineConfigError(
-                    f"training_step returned {type(output).__name__}; with PipelineParallelStrategy it must return "
-                    f"the loss tensor or a dict with a 'loss' tensor (skipping a step by returning None is not "
-                    f"supported)."
-                )
-            losses[mb] = loss.detach()  # read once after the step: a read per micro-batch would stall a GPU
-            if isinstance(output, Mapping) and len(output) > 1:
-                extras[mb] = {k: v.detach() if isinstance(v, Tensor) else v for k, v in output.items() if k != "loss"}
-            return scaler.scale(loss * weights[mb]) if scaler is not None else loss * weights[mb]
-
-        events: list[TimelineEvent] | None = [] if training and timing_sink is not None else None
+    def _run_schedule(self, step: _Step, events: list[TimelineEvent] | None) -> None:
+        """Run this rank's actions of ``step``'s schedule; a training step's gradients end in :attr:`pending_grads`."""
         params: list[torch.nn.Parameter] = []
         previous: list[Tensor | None] = []
-        if training:
+        if step.training:
             # Lightning zeroes gradients between training_step and backward: keep this step's gradients aside and
             # hand them over in the strategy's `backward`, leaving earlier (accumulated) gradients to Lightning
-            params = [p for p in module.parameters() if p.requires_grad]
+            params = [p for p in self.module.parameters() if p.requires_grad]
             previous = [p.grad for p in params]
             for p in params:
                 p.grad = None
-            self.last_schedule = schedule
+            self.last_schedule = step.schedule
         self.steps_run += 1
         self.randomness.begin_step(self.steps_run)
         try:
-            run_stage(schedule, self.position, forward, self.p2p, training=training, params=self._parameters_of,
-                      events=events, clock=step_clock(self.device) if events is not None else None)
+            run_stage(step.schedule, self.position, step.forward, self.p2p, training=step.training,
+                      params=self._parameters_of, events=events,
+                      clock=step_clock(self.device) if events is not None else None)
         finally:
-            view.on_blocks_start = None
-        if training:
+            self.view.on_blocks_start = None
+        if step.training:
             self.pending_grads = [(p, p.grad) for p in params if p.grad is not None]
             for p, grad in zip(params, previous, strict=True):
                 p.grad = grad
 
-        result: Any = None
-        extra: dict[str, Any] | None = None
-        records: list[Any] = []
-        if last and training:
-            records = self.recorder.combine(shares)
-            order = sorted(losses)
-            values = torch.stack([losses[mb] for mb in order]).double().tolist()
-            result = sum(value * shares[mb] for value, mb in zip(values, order, strict=True)) / sum(shares)
-            if extras:
-                extra = merge_microbatches([extras[mb] for mb in order], sizes)
-        elif last:
-            joined = merge_microbatches([block_outputs[mb] for mb in range(len(microbatches))], sizes)
-            with view.finishing(joined), self.randomness.pass_(-1), self.recorder.recording(module, 0):
-                result = user_step(batch, *rest, **kwargs)
-            records = self.recorder.combine([total])
-        if self._exchange is not None:
-            with collective("the broadcast of the step's results from the pipeline's last stage"):
-                sent_loss, records, sent = self._exchange.share(result if training else None, records,
-                                                                extra if training else result,
-                                                                self._send_outputs.get(step_name, True))
-            result, extra = (sent_loss, sent) if training else (sent, None)
-        replay(module, records, updated_here=last)
-        if events is not None and timing_sink is not None:
-            timing_sink(events, total)
-        if not training:
-            return move_data_to_device(result, self.device)
-        loss = torch.tensor(result, dtype=torch.get_default_dtype(), device=self.device)
-        # what training_step returned on one device: the loss, and any other entries merged over micro-batches
-        return {"loss": loss, **move_data_to_device(extra, self.device)} if extra else loss
+    def _share_results(self, step: _Step, result: Any, extra: dict[str, Any] | None, records: list[Any],
+                       collective: Callable[[str], AbstractContextManager[None]],
+                       ) -> tuple[Any, dict[str, Any] | None, list[Any]]:
+        """The last stage's result, extra entries and log records, as every stage of the pipeline receives them
+        (every stage calls this); the outputs only where :meth:`decide_outputs` said so. Unchanged with one stage."""
+        if self._exchange is None:
+            return result, extra, records
+        with collective("the broadcast of the step's results from the pipeline's last stage"):
+            sent_loss, records, sent = self._exchange.share(result if step.training else None, records,
+                                                            extra if step.training else result,
+                                                            self._send_outputs.get(step.name, True))
+        return (sent_loss, sent, records) if step.training else (sent, None, records)
 
     def _parameters_of(self, stage: int) -> list[torch.nn.Parameter]:
         """The weights a pass through ``stage`` can reach: its blocks' and those outside the blocks."""
@@ -248,3 +204,94 @@ class StepDriver:
                 f"(PipelineParallelStrategy(microbatches={self.microbatches})); results are unchanged, the pipeline "
                 f"is less busy. Use batches of at least {self.microbatches} samples.")
         return size
+
+
+class _Step:
+    """One call of the user's step on this rank: its micro-batches and their weights, and what the last stage keeps
+    of each micro-batch until the step finishes (training: losses and other returned entries; evaluation: the blocks'
+    outputs)."""
+
+    def __init__(self, driver: StepDriver, step_name: str, args: tuple[Any, ...], kwargs: dict[str, Any], *,
+                 accumulation: int, scaler: torch.amp.GradScaler | None) -> None:
+        self.driver = driver
+        self.name = step_name
+        self.training = step_name == "training_step"
+        self.user_step = getattr(driver.module, step_name)
+        self.batch, self.rest, self.kwargs = args[0], args[1:], kwargs
+        self.schedule = driver.schedule_for(driver._microbatch_count(self.batch), not self.training)
+        self.microbatches, self.sizes = split_batch(self.batch, self.schedule.num_microbatches)
+        self.total = sum(self.sizes)
+        self.shares = (driver._shares(self.microbatches, self.sizes) if self.training
+                       else [float(size) for size in self.sizes])
+        self.weights = [share / sum(self.shares) / accumulation for share in self.shares]
+        self.scaler = scaler
+        self.losses: dict[int, Tensor] = {}  # training: the last stage's micro-batch losses
+        self.extras: dict[int, dict[str, Any]] = {}  # training: the other entries of a dict training_step returned
+        self.block_outputs: dict[int, Any] = {}  # evaluation on the last stage: what the blocks gave per micro-batch
+
+    def forward(self, stage: int, mb: int, received: Any) -> Any:
+        """Micro-batch ``mb`` through the user's step as ``stage`` (the runtime's forward): what the blocks send on,
+        or on the last stage the weighted loss (training) or nothing (evaluation: the blocks' output is kept)."""
+        driver, view = self.driver, self.driver.view
+        last_pass = stage == driver.last_stage
+        stop_after_blocks = not (last_pass and self.training)
+        view.on_blocks_start = lambda: driver.randomness.blocks_start(mb, stage)
+        recording = driver.recorder.recording(driver.module, mb if last_pass and self.training else None)
+        with view.microbatch(stage, received, stop_after_blocks), driver.randomness.pass_(mb), recording:
+            try:
+                output = self.user_step(self.microbatches[mb], *self.rest, **self.kwargs)
+            except StageOutput as end:
+                if not last_pass:
+                    return end.output
+                self.block_outputs[mb] = end.output
+                return _NOTHING
+        if stop_after_blocks or view.last_block_calls == 0:
+            raise PipelineConfigError(
+                f"{self.name} returned on pipeline stage {stage} without running its blocks "
+                f"{view.local.start}-{view.local.stop - 1} of `{view.container_name}`. A pipelined step must run "
+                f"every block of the container once per micro-batch (through the model's forward or a loop)."
+            )
+        return self._weighted_loss(mb, output)
+
+    def _weighted_loss(self, mb: int, output: Any) -> Tensor:
+        """Keep what training_step returned for micro-batch ``mb``; its loss weighted by the micro-batch's share (and
+        scaled for fp16), for the runtime to back-propagate."""
+        loss = output.get("loss") if isinstance(output, Mapping) else output
+        if not isinstance(loss, Tensor):
+            raise PipelineConfigError(
+                f"training_step returned {type(output).__name__}; with PipelineParallelStrategy it must return "
+                f"the loss tensor or a dict with a 'loss' tensor (skipping a step by returning None is not "
+                f"supported)."
+            )
+        self.losses[mb] = loss.detach()  # read once after the step: a read per micro-batch would stall a GPU
+        if isinstance(output, Mapping) and len(output) > 1:
+            self.extras[mb] = {k: v.detach() if isinstance(v, Tensor) else v for k, v in output.items() if k != "loss"}
+        return self.scaler.scale(loss * self.weights[mb]) if self.scaler is not None else loss * self.weights[mb]
+
+    def finish_training(self) -> tuple[float, dict[str, Any] | None, list[Any]]:
+        """The last stage's training result: the loss averaged over the micro-batches by their shares, the other
+        returned entries merged over them, and the step's log records."""
+        records = self.driver.recorder.combine(self.shares)
+        order = sorted(self.losses)
+        values = torch.stack([self.losses[mb] for mb in order]).double().tolist()
+        loss = sum(value * self.shares[mb] for value, mb in zip(values, order, strict=True)) / sum(self.shares)
+        extra = merge_microbatches([self.extras[mb] for mb in order], self.sizes) if self.extras else None
+        return loss, extra, records
+
+    def finish_evaluation(self) -> tuple[Any, list[Any]]:
+        """The last stage's evaluation result: the user's step run once on the whole batch with the blocks' joined
+        outputs (so every logged value and prediction is one device's), and its log records."""
+        driver = self.driver
+        joined = merge_microbatches([self.block_outputs[mb] for mb in range(len(self.microbatches))], self.sizes)
+        with driver.view.finishing(joined), driver.randomness.pass_(-1), driver.recorder.recording(driver.module, 0):
+            result = self.user_step(self.batch, *self.rest, **self.kwargs)
+        return result, driver.recorder.combine([self.total])
+
+    def returned(self, result: Any, extra: dict[str, Any] | None) -> Any:
+        """What the user's step returns on one device, on this rank's device, from what the last stage shared."""
+        device = self.driver.device
+        if not self.training:
+            return move_data_to_device(result, device)
+        loss = torch.tensor(result, dtype=torch.get_default_dtype(), device=device)
+        # what training_step returned on one device: the loss, and any other entries merged over micro-batches
+        return {"loss": loss, **move_data_to_device(extra, device)} if extra else loss
