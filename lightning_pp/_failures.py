@@ -22,6 +22,7 @@ from lightning_pp.errors import PipelineCommError
 __all__ = ["FailureSignal", "naming_failures"]
 
 _POLL_S = 0.5
+_fits_started = 0  # fits this process has run: names each fit's failure flag alike on every rank
 
 
 class FailureSignal:
@@ -36,6 +37,13 @@ class FailureSignal:
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="lightning_pp-failure-watcher", daemon=True)
         self._thread.start()
+
+    @classmethod
+    def for_this_fit(cls, store: Any, rank: int, grace: float) -> FailureSignal:
+        """The flag of the fit now starting (every rank counts its fits alike), watched from now on."""
+        global _fits_started
+        _fits_started += 1
+        return cls(store, _fits_started, rank, grace)
 
     def report(self, message: str) -> None:
         """Tell every rank this one failed (called once, on the failing rank; its own watcher stops)."""

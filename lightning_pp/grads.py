@@ -3,6 +3,7 @@ clipping norm and the fp16 inf/NaN verdict."""
 
 from __future__ import annotations
 
+import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
 
@@ -14,7 +15,7 @@ from torch.optim import Optimizer
 from lightning_pp import _compat
 from lightning_pp.topology import StageGroups
 
-__all__ = ["PipelineGradients", "broadcast_tensors"]
+__all__ = ["PipelineGradients", "add_to_grads", "broadcast_tensors", "synchronize_device"]
 
 
 def _coalesced(tensors: Iterable[Tensor]) -> dict[torch.dtype, list[Tensor]]:
@@ -94,14 +95,27 @@ class PipelineGradients:
             return frozenset({self.groups.stage})
         return self.users.get(id(p), self.every_position)
 
-    def synchronize(self, params: Iterable[nn.Parameter]) -> None:
+    def synchronize(self, params: Iterable[nn.Parameter], timed: bool = False) -> float:
         """Once per optimizer step, after the last backward: make every gradient the one the optimizer should apply.
 
         Which parameters take part is decided from ``grad`` every step (so weights frozen or unfrozen during
         training, as ``BackboneFinetuning`` does, are followed) and agreed on by every rank of the collective: a
         parameter whose gradient exists on one rank only gets zeros elsewhere. Every rank runs its collectives in
         one global order of the holding position sets, so no two ranks wait on each other in opposite orders.
+
+        Returns the milliseconds it took when ``timed`` (the device's queue emptied before and after, so the clock
+        reads the collectives alone), else 0.
         """
+        if not timed:
+            self._synchronize(params)
+            return 0.0
+        synchronize_device(self.device)
+        started = time.perf_counter()
+        self._synchronize(params)
+        synchronize_device(self.device)
+        return 1e3 * (time.perf_counter() - started)
+
+    def _synchronize(self, params: Iterable[nn.Parameter]) -> None:
         layout = self.groups.layout
         replicas = layout.num_replicas
         self.last_bytes = 0
@@ -199,3 +213,18 @@ def _replace(obj: Any, name: str, replacement: Callable[..., Any]) -> Callable[[
             delattr(obj, name)
 
     return restore
+
+
+def add_to_grads(pending: Iterable[tuple[nn.Parameter, Tensor]]) -> None:
+    """Hand the gradients a schedule computed to their parameters: the first becomes ``grad``, later ones add to it."""
+    for p, grad in pending:
+        if p.grad is None:
+            p.grad = grad
+        else:
+            p.grad.add_(grad)
+
+
+def synchronize_device(device: torch.device) -> None:
+    """Wait for the work queued on ``device`` (CUDA), so that a host clock read next times what ran."""
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import logging
 import os
 import signal
@@ -34,7 +33,7 @@ from lightning_pp._failures import FailureSignal, naming_failures
 from lightning_pp._logs import LogRecorder
 from lightning_pp.actions import Schedule
 from lightning_pp.checkpoint import StageCheckpoints
-from lightning_pp.grads import PipelineGradients
+from lightning_pp.grads import PipelineGradients, add_to_grads
 from lightning_pp.model.assembly import (
     StageAssembly,
     assemble_stage,
@@ -57,24 +56,6 @@ __all__ = ["PipelineParallelStrategy"]
 
 
 log = logging.getLogger(__name__)
-_fits_started = 0  # fits this process has run: names each fit's failure flag alike on every rank
-
-
-def _destroy_gloo_process_group() -> None:
-    """Registered with ``atexit`` on gloo: shut the process group down while the interpreter is still whole.
-
-    Left to the interpreter's finalisation, gloo's worker threads can release tensors (and so take the GIL) after
-    Python is gone, which now and then aborts the process ("terminate called without an active exception").
-    """
-    if dist.is_initialized() and dist.get_backend() == "gloo":
-        dist.destroy_process_group()
-
-
-def _synchronize(device: torch.device) -> None:
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class PipelineParallelStrategy(ParallelStrategy):
     """Train a LightningModule pipeline-parallel: its container of repeated blocks is split into stages, one per device,
     and the world holds one pipeline or several data-parallel replicas of it.
@@ -271,14 +252,9 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._process_group_backend = backend
         self.object_group = start_process_group(self.cluster_environment, backend, self.process_group_timeout,
                                                 self._world, self.global_rank)
-        if backend == "gloo":
-            atexit.unregister(_destroy_gloo_process_group)  # once, however many fits this process runs
-            atexit.register(_destroy_gloo_process_group)
-        global _fits_started
-        _fits_started += 1
         if self._world > 1:
-            self._failures = FailureSignal(_compat._default_store(), _fits_started, self.global_rank,
-                                           grace=self.timeout + 5)
+            self._failures = FailureSignal.for_this_fit(_compat._default_store(), self.global_rank,
+                                                        grace=self.timeout + 5)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -531,11 +507,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         assert module is not None and self._driver is not None
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
-        for p, grad in self._driver.pending_grads:
-            if p.grad is None:
-                p.grad = grad
-            else:
-                p.grad.add_(grad)
+        add_to_grads(self._driver.pending_grads)
         self._driver.pending_grads = []
         if not self._accumulating:  # the optimizer step's backward, as DDP's
             assert self._grads is not None
@@ -545,14 +517,10 @@ class PipelineParallelStrategy(ParallelStrategy):
                     self._driver.shared = place_outside_weights(self._assembly, self.optimizers, self.root_device,
                                                                 self._new_group)
             timed = self.telemetry.timing_sink is not None and self._world > 1
-            if timed:  # for PipelineMonitor: wait for the queued work first, so the clock reads the collectives alone
-                _synchronize(self.root_device)
-                started = time.perf_counter()
             with self._collective("the gradient all-reduce (replicas' average, weights several stages hold)"):
-                self._grads.synchronize([p for p in module.parameters() if p.requires_grad])
-            if timed:
-                _synchronize(self.root_device)
-                self.telemetry.last_grad_sync_ms = 1e3 * (time.perf_counter() - started)
+                sync_ms = self._grads.synchronize([p for p in module.parameters() if p.requires_grad], timed)
+            if timed:  # for PipelineMonitor
+                self.telemetry.last_grad_sync_ms = sync_ms
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import atexit
 import logging
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -141,6 +142,16 @@ def create_sharing_groups(layout: PipelineLayout, position_sets: Iterable[frozen
     return mine
 
 
+def _destroy_gloo_process_group() -> None:
+    """Registered with ``atexit`` on gloo: shut the process group down while the interpreter is still whole.
+
+    Left to the interpreter's finalisation, gloo's worker threads can release tensors (and so take the GIL) after
+    Python is gone, which now and then aborts the process ("terminate called without an active exception").
+    """
+    if dist.is_initialized() and dist.get_backend() == "gloo":
+        dist.destroy_process_group()
+
+
 def start_process_group(cluster_environment: Any, backend: str, timeout: timedelta, world_size: int,
                         rank: int) -> Any:
     """Join the job's default process group; return the group for object collectives: a gloo group over the world
@@ -150,6 +161,9 @@ def start_process_group(cluster_environment: Any, backend: str, timeout: timedel
     would be GPU buffers of the largest object times the world on the receiving rank.
     """
     _compat._init_dist_connection(cluster_environment, backend, timeout=timeout)
+    if backend == "gloo":
+        atexit.unregister(_destroy_gloo_process_group)  # once, however many fits this process runs
+        atexit.register(_destroy_gloo_process_group)
     if emulating_nccl() and backend == "gloo" and rank == 0:
         log.warning(f"lightning_pp: {ENV_VAR} is set: the transfers follow NCCL's protocol on gloo.")
     if world_size > 1 and (backend != "gloo" or emulating_nccl()):
