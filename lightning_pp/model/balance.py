@@ -36,6 +36,7 @@ from torch import Tensor, nn
 
 from lightning_pp import _compat
 from lightning_pp.errors import PipelineConfigError
+from lightning_pp.grads import synchronize_device
 from lightning_pp.microbatch import batch_size, split_batch
 from lightning_pp.model.blocks import find_blocks
 from lightning_pp.partition import min_max_partition, stage_costs, uniform_balance
@@ -103,12 +104,6 @@ class BlockCosts:
                             device="cpu")
 
 
-def _synchronize(device: torch.device) -> None:
-    # CUDA kernels run asynchronously: without waiting for them, the clock would time their launch, not their work
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 def _tensors(obj: Any) -> list[Tensor]:
     found: list[Tensor] = []
     apply_to_collection(obj, Tensor, found.append)
@@ -152,11 +147,11 @@ class _BlockCalls:
         self.outputs: list[Any] = []
 
     def before_block(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
-        _synchronize(self.device)
+        synchronize_device(self.device)
         self.starts.append((block, time.perf_counter(), args, kwargs))
 
     def after_block(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
-        _synchronize(self.device)
+        synchronize_device(self.device)
         self.ends.append(time.perf_counter())
         self.outputs.append(output)
 
@@ -172,10 +167,10 @@ def _forward_step(module: pl.LightningModule, blocks: list[nn.Module], microbatc
         handles.append(block.register_forward_hook(calls.after_block, with_kwargs=True))
     try:
         with step_context(), torch.enable_grad():
-            _synchronize(device)
+            synchronize_device(device)
             started = time.perf_counter()
             output = module.training_step(microbatch, 0)
-            _synchronize(device)
+            synchronize_device(device)
             returned = time.perf_counter()
     finally:
         for handle in handles:
@@ -190,7 +185,7 @@ def _time_backward(loss: Tensor, last_output: Any, run: _StepRun, device: torch.
 
     def mark(key: str, first: bool) -> Callable[[Tensor], None]:
         def hook(grad: Tensor) -> None:
-            _synchronize(device)
+            synchronize_device(device)
             now = time.perf_counter()
             reached[key] = min(reached.get(key, now), now) if first else now
 
@@ -201,10 +196,10 @@ def _time_backward(loss: Tensor, last_output: Any, run: _StepRun, device: torch.
     first_inputs = _differentiable(run.inputs[0])
     for t in first_inputs:
         t.register_hook(mark("first inputs", first=False))  # the blocks are done: what is left runs before them
-    _synchronize(device)
+    synchronize_device(device)
     started = time.perf_counter()
     loss.backward()
-    _synchronize(device)
+    synchronize_device(device)
     ended = time.perf_counter()
     run.backward = ended - started
     if "last output" in reached:
@@ -240,18 +235,18 @@ def _time_block(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     for _ in range(repeats):
         fresh_args, fresh_kwargs = _fresh(args), _fresh(kwargs)
         with step_context(), torch.enable_grad():
-            _synchronize(device)
+            synchronize_device(device)
             started = time.perf_counter()
             output = block(*fresh_args, **fresh_kwargs)
-            _synchronize(device)
+            synchronize_device(device)
             forwards.append(time.perf_counter() - started)
         outs = _differentiable(output)
         if outs:
             grads = [torch.ones_like(t) for t in outs]
-            _synchronize(device)
+            synchronize_device(device)
             started = time.perf_counter()
             torch.autograd.backward(outs, grads)
-            _synchronize(device)
+            synchronize_device(device)
             backwards.append(time.perf_counter() - started)
         else:
             backwards.append(0.0)
