@@ -1,4 +1,6 @@
-"""A failed rank ends the whole job: it says so in the process group's store, and every other rank ends too.
+"""A failed rank ends the whole job: it says so in the process group's store, and every other rank ends too; and a
+failed collective raises an error naming this rank, the collective and the rank that failed first
+(:func:`naming_failures`).
 
 A rank blocked in a transfer with a failed peer raises its own timeout error, but a rank stuck elsewhere (in user
 code, in a collective the failed rank never joins) would wait forever, and Lightning swallows SIGTERM. So each rank
@@ -14,7 +16,7 @@ import os
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 from lightning_pp.errors import PipelineCommError
@@ -80,9 +82,9 @@ class FailureSignal:
 
 
 @contextlib.contextmanager
-def naming_failures(where: str, what: str, signal: FailureSignal | None) -> Iterator[None]:
-    """Turn a collective's failure (gloo and NCCL name only a socket) into an error naming this rank (``where``), the
-    collective (``what``) and, when one has reported, the rank that failed first."""
+def naming_failures(where: Callable[[], str], what: str, signal: FailureSignal | None) -> Iterator[None]:
+    """Turn a collective's failure (gloo and NCCL name only a socket) into an error naming this rank (``where()``),
+    the collective (``what``) and, when one has reported, the rank that failed first."""
     try:
         yield
     except PipelineCommError:
@@ -91,4 +93,4 @@ def naming_failures(where: str, what: str, signal: FailureSignal | None) -> Iter
         reported = signal.reported() if signal is not None else None
         cause = (f"it follows another rank's failure: {reported}" if reported else
                  "a peer has probably crashed: look at the other ranks' output for the first error")
-        raise PipelineCommError(f"Pipeline {where} failed in {what}: {error}; {cause}.") from error
+        raise PipelineCommError(f"Pipeline {where()} failed in {what}: {error}; {cause}.") from error

@@ -1,5 +1,6 @@
-"""Gradients across ranks: the replicas' average, weights outside the blocks summed over their holders, the global
-clipping norm and the fp16 inf/NaN verdict."""
+"""Gradients across ranks: handed over from the schedule, the replicas' average, weights outside the blocks summed
+over their holders (timed for the monitor on request), the global clipping norm and the fp16 inf/NaN verdict, which
+replace Lightning's per-stage ones from setup to teardown (:meth:`PipelineGradients.install`)."""
 
 from __future__ import annotations
 
@@ -13,9 +14,10 @@ from torch import Tensor, nn
 from torch.optim import Optimizer
 
 from lightning_pp import _compat
+from lightning_pp._device import synchronize_device
 from lightning_pp.topology import StageGroups
 
-__all__ = ["PipelineGradients", "add_to_grads", "broadcast_tensors", "synchronize_device"]
+__all__ = ["PipelineGradients", "add_to_grads", "broadcast_tensors"]
 
 
 def _coalesced(tensors: Iterable[Tensor]) -> dict[torch.dtype, list[Tensor]]:
@@ -222,9 +224,3 @@ def add_to_grads(pending: Iterable[tuple[nn.Parameter, Tensor]]) -> None:
             p.grad = grad
         else:
             p.grad.add_(grad)
-
-
-def synchronize_device(device: torch.device) -> None:
-    """Wait for the work queued on ``device`` (CUDA), so that a host clock read next times what ran."""
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)

@@ -4,10 +4,14 @@ and checked on construction (before any process starts), and the checks that nee
 
 from __future__ import annotations
 
+import ast
+import inspect
+import itertools
 import os
 import sys
+import textwrap
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, fields
 from datetime import timedelta
 from typing import Any
 
@@ -16,12 +20,12 @@ from torch.distributed.constants import default_pg_timeout
 
 from lightning_pp.actions import Schedule
 from lightning_pp.errors import PipelineConfigError
-from lightning_pp.model.balance import BALANCE_MODES
 from lightning_pp.schedules import GENERATORS, load_csv
 
-__all__ = ["PipelineOptions", "check"]
+__all__ = ["BALANCE_MODES", "PipelineOptions", "check", "documented_arguments"]
 
 BACKENDS = ("gloo", "nccl")
+BALANCE_MODES = ("uniform", "params", "time")
 _STAGES_PER_RANK = {"interleaved_1f1b": (2, sys.maxsize), "zbv": (2, 2)}  # (least and default, most); others 1
 
 
@@ -252,10 +256,30 @@ class PipelineOptions:
                    f"The schedule file {self.schedule!r} has {self.schedule_file.num_ranks} rows (ranks) but each "
                    f"pipeline has {num_stages} ({where}): run it on {self.schedule_file.num_ranks} ranks per "
                    f"pipeline.")
-        stages_per_rank = self.stages_per_rank or 1
+        stages_per_rank = self.stages_per_rank
+        assert stages_per_rank is not None  # set on construction
         total = num_stages * stages_per_rank
         per_rank = f" ({stages_per_rank} per rank)" if stages_per_rank > 1 else ""
         balance = self.balance_list
         check(balance is None or len(balance) == total,
                f"balance={balance} describes {len(balance or [])} stages but each pipeline has {total}{per_rank} "
                f"({where}). Give {total} block counts, or make the pipeline {len(balance or [])} stages long.")
+
+
+def documented_arguments() -> str:
+    """The arguments of :class:`PipelineOptions` with their field docstrings, as a Google-style ``Args:`` section: the
+    strategy's docstring ends with it, so that its reader and LightningCLI's ``--help`` see every argument described
+    (one text, written once, beside its field). Empty where the source cannot be read."""
+    try:
+        body = ast.parse(textwrap.dedent(inspect.getsource(PipelineOptions))).body[0].body  # type: ignore[attr-defined]
+    except (OSError, TypeError):
+        return ""
+    arguments = {f.name for f in fields(PipelineOptions) if f.init}
+    lines = ["Args:"]
+    for node, following in itertools.pairwise(body):
+        if (isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name) and node.target.id in arguments
+                and isinstance(following, ast.Expr) and isinstance(following.value, ast.Constant)):
+            text = " ".join(str(following.value.value).split())
+            lines.append(textwrap.fill(f"{node.target.id}: {text}", width=116, initial_indent="    ",
+                                       subsequent_indent="        "))
+    return "\n".join(lines)

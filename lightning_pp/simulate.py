@@ -31,6 +31,7 @@ __all__ = ["BACKWARD", "BACKWARD_INPUT", "BACKWARD_WEIGHT", "CATEGORY_OF", "COMM
            "COMPUTE_CATEGORIES", "FORWARD", "Execution", "Timeline", "TimelineEvent", "action_costs", "execute",
            "format_timeline", "simulate", "unit_cost"]
 
+
 def unit_cost(action: Action) -> float:
     """One tick per compute action (F = B = I = W = 1); transfers are free.
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import os
 import signal
+import textwrap
 import time
 from collections.abc import Callable, Generator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
@@ -46,7 +47,7 @@ from lightning_pp.model.placement import WeightPlacement
 from lightning_pp.model.results import outputs_read
 from lightning_pp.model.split import Partition, is_split
 from lightning_pp.model.step import StepDriver
-from lightning_pp.options import PipelineOptions, check
+from lightning_pp.options import PipelineOptions, check, documented_arguments
 from lightning_pp.p2p import StageP2P, connect_stages
 from lightning_pp.schedules import StepSchedules
 from lightning_pp.telemetry import PipelineTelemetry
@@ -56,6 +57,8 @@ __all__ = ["PipelineParallelStrategy"]
 
 
 log = logging.getLogger(__name__)
+
+
 class PipelineParallelStrategy(ParallelStrategy):
     """Train a LightningModule pipeline-parallel: its container of repeated blocks is split into stages, one per device,
     and the world holds one pipeline or several data-parallel replicas of it.
@@ -81,18 +84,16 @@ class PipelineParallelStrategy(ParallelStrategy):
     neighbouring ranks (``rank = stage * replicas + replica``; see :class:`~lightning_pp.PipelineLayout` and
     :attr:`layout`), so gradient all-reduces stay inside a node and only point-to-point transfers cross nodes.
 
-    Args: every argument but Lightning's own (``accelerator`` ... ``precision_plugin``) is a field of
-        :class:`~lightning_pp.options.PipelineOptions`, documented there.
-
     Raises:
         PipelineConfigError: for an argument of the wrong type or value, a world size that is not a multiple of
             ``pipeline_parallel_size``, a ``balance`` that does not fit the container or the number of stages, a
             module without a block container, or manual optimization.
 
-    Example::
+    Example:
+        ``trainer = L.Trainer(accelerator="cpu", devices=2, strategy=PipelineParallelStrategy(schedule="1f1b"))``
 
-        trainer = L.Trainer(accelerator="cpu", devices=2, strategy=PipelineParallelStrategy(schedule="1f1b"))
-        trainer.fit(model, train_dataloader)
+    Every argument but Lightning's own (``accelerator`` ... ``precision_plugin``) is a field of
+    :class:`~lightning_pp.options.PipelineOptions`; the list below is made from its field docstrings.
     """
 
     strategy_name = "pipeline"
@@ -125,7 +126,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._assembly: StageAssembly | None = None
         self._checkpoints: StageCheckpoints | None = None
         self._driver: StepDriver | None = None
-        self._hidden_example_input: Any = None  # the module's example_input_array while fit starts (see setup)
+        self._hidden_example_input: Any = None  # example_input_array while fit starts (see _prepare_module)
         self._grads: PipelineGradients | None = None
         self._p2p: StageP2P | None = None
         self._groups: StageGroups | None = None
@@ -191,7 +192,17 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     @property
     def stages_per_rank(self) -> int:
-        return self.options.stages_per_rank or 1
+        assert self.options.stages_per_rank is not None  # set on construction
+        return self.options.stages_per_rank
+
+    @property
+    def checkpoint_format(self) -> str:
+        return self.options.checkpoint_format
+
+    @property
+    def last_schedule(self) -> Schedule | None:
+        """The schedule of the latest training step."""
+        return self.telemetry.last_schedule
 
     @property
     def timeout(self) -> float:
@@ -250,6 +261,7 @@ class PipelineParallelStrategy(ParallelStrategy):
             self.cluster_environment.set_world_size(self._world)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         self._process_group_backend = backend
+        self._schedules = None  # built for this world
         self.object_group = start_process_group(self.cluster_environment, backend, self.process_group_timeout,
                                                 self._world, self.global_rank)
         if self._world > 1:
@@ -313,8 +325,9 @@ class PipelineParallelStrategy(ParallelStrategy):
             module, partition, self._not_on_last_stage, world=self._world, rank=self.global_rank, stage=self.stage,
             replica=self.replica, num_stages=self.num_stages, rank_of=self.layout.rank,
             object_group=lambda: self.object_group, device=self.root_device)
-        self.telemetry = PipelineTelemetry(device=self.root_device, stage=self.stage, replica=self.replica,
-                                           object_group=self.object_group, view=partition.view)
+        telemetry = self.telemetry
+        telemetry.device, telemetry.stage, telemetry.replica = self.root_device, self.stage, self.replica
+        telemetry.object_group, telemetry.view = self.object_group, partition.view
 
     def _balance_for(self, trainer: pl.Trainer, module: pl.LightningModule) -> list[int] | None:
         """Blocks per stage for the split: the user's list, ``None`` for an even split, or what ``balance="params"`` /
@@ -403,7 +416,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         return f"stage {self.stage} ({replica}rank {self.global_rank})"
 
     def _collective(self, what: str) -> AbstractContextManager[None]:
-        return naming_failures(self._where(), what, self._failures)
+        return naming_failures(self._where, what, self._failures)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
@@ -600,6 +613,10 @@ class PipelineParallelStrategy(ParallelStrategy):
         super().teardown()
 
 
+
+# the arguments, described once beside PipelineOptions' fields
+PipelineParallelStrategy.__doc__ = "\n".join([PipelineParallelStrategy.__doc__ or "",
+                                              textwrap.indent(documented_arguments(), "    ")])
 StrategyRegistry.register(
     PipelineParallelStrategy.strategy_name,
     PipelineParallelStrategy,

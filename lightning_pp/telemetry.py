@@ -1,7 +1,8 @@
 """What :class:`~lightning_pp.monitor.PipelineMonitor` reads of a running pipeline, and how it asks for a timed step.
 
-The strategy owns one :class:`PipelineTelemetry` (``strategy.telemetry``) and keeps it current; the monitor talks to it
-alone, so the monitor (a Lightning callback, like the strategy an edge of the package) needs nothing of the strategy.
+The strategy owns one :class:`PipelineTelemetry` (``strategy.telemetry``) for its whole life and fills it in at setup
+and after each step; the monitor talks to it alone, so the monitor (a Lightning callback, like the strategy an edge of
+the package) needs nothing of the strategy.
 """
 
 from __future__ import annotations

@@ -1,4 +1,5 @@
-"""Which global rank holds which pipeline stage of which data-parallel replica, and the process groups that follow."""
+"""Which global rank holds which pipeline stage of which data-parallel replica, the process groups that follow, and
+joining the job's process group (:func:`start_process_group`)."""
 
 from __future__ import annotations
 

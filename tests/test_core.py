@@ -142,3 +142,21 @@ def test_log_records_split_into_layout_and_numbers_and_back() -> None:
     assert numbers == [0.25, 0.5, 3.0]
     assert join_records(layout, numbers) == records
     assert split_records([("loss", 0.75, {"prog_bar": True})])[0] == layout[:1]  # new numbers, the same layout
+
+
+def test_strategy_takes_every_option_and_describes_it() -> None:
+    """The strategy's keyword arguments are PipelineOptions' fields plus Lightning's own, and its docstring (what
+    LightningCLI's --help shows) describes each option from the field's docstring."""
+    import dataclasses
+    import inspect
+
+    from lightning_pp.options import PipelineOptions
+
+    options = [f.name for f in dataclasses.fields(PipelineOptions) if f.init]
+    lightning = ["accelerator", "parallel_devices", "cluster_environment", "checkpoint_io", "precision_plugin"]
+    assert list(inspect.signature(PipelineParallelStrategy.__init__).parameters)[1:] == options + lightning
+    doc = PipelineParallelStrategy.__doc__ or ""
+    args = doc[doc.index("\n    Args:\n"):]
+    for name in options:
+        assert f"\n        {name}: " in args, name
+    assert "former name of ``blocks``" in args

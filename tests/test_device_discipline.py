@@ -38,7 +38,7 @@ def created_without_device(source: str) -> list[tuple[int, str]]:
 
 
 def test_audit_finds_a_tensor_created_without_its_device() -> None:
-    """What the desk-check found in `_logs._weighted_mean` is what the audit flags."""
+    """What the desk-check found in `_logs` (the micro-batch weights of a logged mean) is what the audit flags."""
     assert created_without_device("weight = torch.tensor(weights, dtype=torch.float64)") == [(1, "torch.tensor")]
     assert created_without_device("w = torch.tensor(ws, device=values.device); z = torch.zeros_like(w)") == []
 

@@ -37,7 +37,8 @@ class StageAssembly:
     groups: StageGroups
     shared: list[nn.Parameter]  # the parameters outside the blocks (every rank holds them until placed)
     grads: PipelineGradients
-    placement: WeightPlacement | None  # where the weights outside the blocks are kept (None: on every rank)
+    # where the weights outside the blocks are kept: this run's placement, or an earlier run's (None: on every rank)
+    placement: WeightPlacement | None
 
 
 def placement_of(module: nn.Module) -> WeightPlacement | None:

@@ -35,18 +35,17 @@ from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 from lightning_pp import _compat
+from lightning_pp._device import synchronize_device
 from lightning_pp.errors import PipelineConfigError
-from lightning_pp.grads import synchronize_device
 from lightning_pp.microbatch import batch_size, split_batch
 from lightning_pp.model.blocks import find_blocks
 from lightning_pp.partition import min_max_partition, stage_costs, uniform_balance
 
-__all__ = ["BALANCE_MODES", "BlockCosts", "measure_block_costs", "parameter_balance", "preserved_random_state",
+__all__ = ["BlockCosts", "measure_block_costs", "parameter_balance", "preserved_random_state",
            "resolve_balance"]
 
 log = logging.getLogger(__name__)
 
-BALANCE_MODES = ("uniform", "params", "time")
 _REPEATS = 3  # timed runs of the whole step and of each block alone (after one warm-up run); medians are kept
 
 
