@@ -38,6 +38,7 @@ from lightning_pp.grads import PipelineGradients, add_to_grads
 from lightning_pp.model.assembly import (
     StageAssembly,
     assemble_stage,
+    is_assembled,
     place_outside_weights,
     placement_of,
     setup_optimizers_everywhere,
@@ -45,7 +46,7 @@ from lightning_pp.model.assembly import (
 from lightning_pp.model.balance import resolve_balance
 from lightning_pp.model.placement import WeightPlacement
 from lightning_pp.model.results import outputs_read
-from lightning_pp.model.split import Partition, is_split
+from lightning_pp.model.split import Partition
 from lightning_pp.model.step import StepDriver
 from lightning_pp.options import PipelineOptions, check, documented_arguments
 from lightning_pp.p2p import StageP2P, connect_stages
@@ -335,7 +336,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         measured for a module an earlier run split (that split is kept) or for a single stage."""
         options = self.options
         num_stages = self.num_stages * self.stages_per_rank
-        if options.balance_by not in ("params", "time") or num_stages == 1 or is_split(module):
+        if options.balance_by not in ("params", "time") or num_stages == 1 or is_assembled(module):
             return options.balance_list
         return resolve_balance(options.balance_by, module, options.blocks_name, num_stages, trainer,
                                device=self.root_device, microbatches=self.microbatches,

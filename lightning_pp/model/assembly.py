@@ -19,14 +19,24 @@ from lightning_pp.actions import Schedule
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.grads import PipelineGradients, broadcast_tensors
 from lightning_pp.model.placement import WeightPlacement
-from lightning_pp.model.split import Partition, is_split, split_module
+from lightning_pp.model.split import Partition, split_module
 from lightning_pp.topology import PipelineLayout, StageGroups, create_groups, create_sharing_groups
 
-__all__ = ["StageAssembly", "assemble_stage", "place_outside_weights", "placement_of", "setup_optimizers_everywhere"]
+__all__ = ["StageAssembly", "assemble_stage", "is_assembled", "place_outside_weights", "placement_of",
+           "setup_optimizers_everywhere"]
 
 log = logging.getLogger(__name__)
-# where an earlier run in this process left the weights outside the blocks of a module (some ranks only)
-_PLACEMENTS: weakref.WeakKeyDictionary[nn.Module, WeightPlacement] = weakref.WeakKeyDictionary()
+
+
+@dataclass
+class _EarlierRun:
+    """What a run in this process left on a module that a later run (another fit, validate, ...) carries on from."""
+
+    partition: Partition  # its split, kept whatever balance a later run asks for
+    placement: WeightPlacement | None = None  # where it left the weights outside the blocks (some ranks only)
+
+
+_EARLIER_RUNS: weakref.WeakKeyDictionary[nn.Module, _EarlierRun] = weakref.WeakKeyDictionary()
 
 
 @dataclass
@@ -41,9 +51,15 @@ class StageAssembly:
     placement: WeightPlacement | None
 
 
+def is_assembled(module: nn.Module) -> bool:
+    """Whether a run in this process assembled a stage of ``module`` (a later run keeps its split)."""
+    return module in _EARLIER_RUNS
+
+
 def placement_of(module: nn.Module) -> WeightPlacement | None:
-    """The placement an earlier run made of ``module``'s weights outside the blocks, if any."""
-    return _PLACEMENTS.get(module)
+    """The placement a run made of ``module``'s weights outside the blocks, if any."""
+    earlier = _EARLIER_RUNS.get(module)
+    return earlier.placement if earlier is not None else None
 
 
 def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout, rank: int, *, blocks: str | None,
@@ -55,11 +71,15 @@ def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout
     outside the blocks and replica 0's blocks, as DDP starts. ``place_where_used``: a training run that places the
     weights outside the blocks where they are used (``outside_weights="where_used"``)."""
     stage = layout.stage_of(rank)
-    fresh = not is_split(module)
-    partition = split_module(module, blocks, balance, schedule.stages_of(stage), schedule.num_stages)
+    earlier = _EARLIER_RUNS.get(module)
+    fresh = earlier is None
+    partition = split_module(module, blocks, balance, schedule.stages_of(stage), schedule.num_stages,
+                             earlier.partition if earlier is not None else None)
+    if earlier is None:
+        earlier = _EARLIER_RUNS[module] = _EarlierRun(partition)
     if recompute_every:
         partition.view.checkpoint_blocks(recompute_every)
-    placement = _PLACEMENTS.get(module)
+    placement = earlier.placement
     if placement is not None:  # an earlier run may have left some weights on some ranks only
         placement.restore(lambda tensors, position: broadcast_tensors(tensors, layout.rank(position, 0), None,
                                                                       device))
@@ -78,7 +98,7 @@ def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout
         own = [t for t in (*module.parameters(), *module.buffers()) if id(t) not in everywhere]
         broadcast_tensors(own, layout.rank(stage, 0), groups.replicas, device)
     if place_where_used and placement is None:
-        placement = _PLACEMENTS[module] = WeightPlacement(module, shared, stage, layout.num_stages)
+        placement = earlier.placement = WeightPlacement(module, shared, stage, layout.num_stages)
     partition.view.pass_context = placement.reads if placement is not None else contextlib.nullcontext
     return StageAssembly(partition, groups, shared, PipelineGradients(shared, groups, device), placement)
 

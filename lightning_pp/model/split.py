@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import logging
-import weakref
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -15,7 +14,7 @@ from lightning_pp.model.blocks import block_count, find_blocks
 from lightning_pp.model.stage import StageView
 from lightning_pp.partition import stage_layer_ranges, uniform_balance, validate_balance
 
-__all__ = ["Partition", "is_split", "split_module"]
+__all__ = ["Partition", "split_module"]
 
 log = logging.getLogger(__name__)
 
@@ -37,20 +36,11 @@ class Partition:
 
 
 # modules already split in this process (a second fit / validate / test reuses the split)
-_PARTITIONS: weakref.WeakKeyDictionary[nn.Module, Partition] = weakref.WeakKeyDictionary()
-
-
-def is_split(module: nn.Module) -> bool:
-    """Whether an earlier run in this process split ``module``: :func:`split_module` then reuses that split, whatever
-    balance it is given."""
-    return module in _PARTITIONS
-
-
 def split_module(module: nn.Module, blocks: str | None, balance: Sequence[int] | None, stages: Sequence[int],
-                 num_stages: int) -> Partition:
+                 num_stages: int, earlier: Partition | None = None) -> Partition:
     """Keep only the blocks of ``stages`` (this rank's) of the container (the others become stand-ins); everything
-    else stays."""
-    existing = _PARTITIONS.get(module)
+    else stays. ``earlier``: the split an earlier run made of ``module``, which is kept whatever ``balance`` says."""
+    existing = earlier
     if existing is not None:
         view = existing.view
         if (view.stages, view.num_stages) != (tuple(stages), num_stages):
@@ -68,7 +58,6 @@ def split_module(module: nn.Module, blocks: str | None, balance: Sequence[int] |
     full_param_order = {n: i for i, (n, _) in enumerate(module.named_parameters())}
     full_state_keys = list(module.state_dict())
     partition = Partition(StageView(name, container, stages, ranges), full_param_order, full_state_keys)
-    _PARTITIONS[module] = partition
     held = ", ".join(f"stage {s}: blocks {ranges[s].start}-{ranges[s].stop - 1}" for s in stages)
     log.info(f"This rank holds {held} of `{name}` ({num_blocks} blocks)")
     return partition
