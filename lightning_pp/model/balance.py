@@ -31,7 +31,6 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.combined_loader import CombinedLoader
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning_utilities.core.apply_func import apply_to_collection
 from torch import Tensor, nn
 
 from lightning_pp import _compat
@@ -103,14 +102,8 @@ class BlockCosts:
                             device="cpu")
 
 
-def _tensors(obj: Any) -> list[Tensor]:
-    found: list[Tensor] = []
-    apply_to_collection(obj, Tensor, found.append)
-    return found
-
-
 def _differentiable(obj: Any) -> list[Tensor]:
-    return [t for t in _tensors(obj) if t.requires_grad and (t.is_floating_point() or t.is_complex())]
+    return [t for t in _compat.tree_tensors(obj) if t.requires_grad and (t.is_floating_point() or t.is_complex())]
 
 
 def _fresh(obj: Any) -> Any:
@@ -122,7 +115,7 @@ def _fresh(obj: Any) -> Any:
             return t.detach().clone()
         return t.detach().requires_grad_(True).clone()  # a leaf that needs its gradient, handed on as a non-leaf
 
-    return apply_to_collection(obj, Tensor, fresh)
+    return _compat.tree_map_tensors(obj, fresh)
 
 
 @dataclass
