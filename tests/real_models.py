@@ -626,6 +626,41 @@ class TorchEncoderClassifier(L.LightningModule):
     predict_dataloader = val_dataloader
 
 
+# -------------------------------------------------------------------- 10. Hugging Face ViT for image classification
+def image_batches(batches: int = 4, seed: int = 0, classes: int = 5) -> DataLoader:
+    generator = torch.Generator().manual_seed(seed)
+    images = torch.randn(batches * 8, 3, 8, 8, generator=generator)
+    labels = torch.randint(0, classes, (batches * 8,), generator=generator)
+    return DataLoader(TensorDataset(images, labels), batch_size=8)
+
+
+class HFViT(L.LightningModule):
+    """``ViTForImageClassification`` from a small config, unmodified: its layers in ``model.vit.encoder.layer``, found
+    automatically. Its forward reads ``self.embeddings.patch_embeddings.projection.weight.dtype`` on every stage, also
+    where the patch embedding's weights are kept elsewhere (``outside_weights="where_used"``)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import ViTConfig, ViTForImageClassification
+
+        config = ViTConfig(image_size=8, patch_size=4, num_channels=3, hidden_size=16, num_hidden_layers=4,
+                           num_attention_heads=2, intermediate_size=32, num_labels=5, hidden_dropout_prob=0.0,
+                           attention_probs_dropout_prob=0.0)
+        self.model = ViTForImageClassification(config)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        images, labels = batch
+        loss = self.model(pixel_values=images, labels=labels).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        return image_batches()
+
+
 # --------------------------------------------------------------------------------------------- the runs compared
 @dataclass(frozen=True)
 class Spec:
@@ -655,6 +690,7 @@ SPECS: dict[str, Spec] = {
     "inplace": Spec(InplaceFeatures),
     "torch_encoder": Spec(TorchEncoderClassifier, max_steps=-1, max_epochs=3, validate=True, predict=True),
     "torch_causal": Spec(lambda: TorchEncoderClassifier(causal=True), max_steps=-1, max_epochs=3, validate=True),
+    "hf_vit": Spec(HFViT),
 }
 MODELS.update({name: spec.build for name, spec in SPECS.items()})
 

@@ -323,16 +323,19 @@ def merged_grads(results: list[Result]) -> list[dict[str, torch.Tensor]]:
 
 
 def check_grads(got: list[dict[str, torch.Tensor]], want: list[dict[str, torch.Tensor]], label: str) -> float:
-    """Each element within GRAD_RTOL of its tensor's largest magnitude; returns the worst relative difference."""
+    """Each element within GRAD_RTOL of its tensor's largest magnitude, plus 1e-9 of the step's largest gradient: a
+    gradient that is zero in exact arithmetic (an attention key's bias, which softmax ignores) is fp32 noise whose
+    size follows the summation order. Returns the worst relative difference."""
     assert len(got) == len(want), f"{len(got)} optimizer steps, single device made {len(want)}"
     worst = 0.0
     for step, (got_step, want_step) in enumerate(zip(got, want, strict=True)):
         assert sorted(got_step) == sorted(want_step), f"step {step}: gradients of {sorted(got_step)} applied, single " \
                                                       f"device applied {sorted(want_step)}"
+        step_scale = max(grad.abs().max().item() for grad in want_step.values())
         for name, grad in want_step.items():
             scale = grad.abs().max().item()
             worst = max(worst, (got_step[name] - grad).abs().max().item() / (scale + 1e-30))
-            torch.testing.assert_close(got_step[name], grad, rtol=0, atol=GRAD_RTOL * scale + 1e-12,
+            torch.testing.assert_close(got_step[name], grad, rtol=0, atol=GRAD_RTOL * scale + 1e-9 * step_scale + 1e-12,
                                        msg=prefixed(f"{label} step {step} gradient of {name}"))
     return worst
 

@@ -94,6 +94,57 @@ def test_a_module_whose_output_is_replaced_becomes_a_shape_only_stand_in() -> No
     assert placement.users == {} and placement.wants_observation()
 
 
+class PatchEmbedding(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.projection = nn.Linear(4, 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.projection(x)
+
+
+class Embeddings(nn.Module):
+    """A weight of its own and a submodule with weights, as Hugging Face's ``ViTEmbeddings``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.cls_token = nn.Parameter(torch.zeros(4))
+        self.patch_embeddings = PatchEmbedding()
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.patch_embeddings(x) + self.cls_token
+
+
+class WithSubmodules(nn.Module):
+    """Embeddings whose submodule the code before the blocks reads on every stage, as Hugging Face's ViT reads
+    ``self.embeddings.patch_embeddings.projection.weight.dtype``."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embeddings = Embeddings()
+        self.blocks = nn.Sequential(nn.Linear(4, 4))
+        self.head = nn.Linear(4, 3)
+
+
+def test_a_stand_ins_submodules_can_be_read_not_called() -> None:
+    model = WithSubmodules()
+    received = torch.randn(2, 4)
+
+    def last_stage_step() -> torch.Tensor:
+        dtype = model.embeddings.patch_embeddings.projection.weight.dtype
+        model.embeddings(torch.randn(2, 4).to(dtype))  # replaced by what the previous stage sent
+        return model.head(model.blocks(received)).sum()
+
+    place(model, last_stage_step, position=1)
+    patch = model.embeddings.patch_embeddings
+    assert patch.projection.weight.dtype == torch.float32 and patch.projection.weight.device.type == "meta"
+    assert patch.projection.out_features == 4
+    with pytest.raises(PipelineConfigError, match=r"`embeddings.patch_embeddings` was called on pipeline rank 1, "
+                                                  r"where the weights of `embeddings` are not kept.*everywhere"):
+        patch(torch.randn(2, 4))
+    assert sorted(model.state_dict()) == ["blocks.0.bias", "blocks.0.weight", "head.bias", "head.weight"]
+
+
 def test_the_first_stage_keeps_what_it_uses_and_drops_the_head() -> None:
     toy = Toy()
 

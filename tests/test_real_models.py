@@ -242,3 +242,12 @@ def test_pytorch_transformer_encoder(world_size: int, tmp_path: Path) -> None:
             job("torch_causal", schedule="gpipe", microbatches=world_size, dirpath=str(tmp_path / "causal"))]
     check_all(world_size, runs, [validated_and_predicted("torch_encoder"), validated_and_predicted("torch_causal")],
               timeout=180 if world_size == 2 else 240)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_hugging_face_vit_with_the_default_placement() -> None:
+    """Hugging Face's ``ViTForImageClassification``, unmodified, with the weights outside the blocks kept where used:
+    its forward reads the patch embedding's weight dtype on every stage, also where that weight is not kept."""
+    runs = [job("hf_vit", schedule=schedule, microbatches=4) for schedule in ("1f1b", "zb_h1")]
+    check_all(2, runs, [matches("hf_vit") for _ in runs], timeout=200)

@@ -77,6 +77,10 @@ def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout
                              earlier.partition if earlier is not None else None)
     if earlier is None:
         earlier = _EARLIER_RUNS[module] = _EarlierRun(partition)
+        if rank == 0:  # which container was found (or named), and how it was split
+            view = partition.view
+            print(f"lightning_pp: `{view.container_name}` ({view.ranges[-1].stop} blocks) split into "
+                  f"{view.num_stages} stages of {[len(r) for r in view.ranges]} blocks")
     if recompute_every:
         partition.view.checkpoint_blocks(recompute_every)
     placement = earlier.placement

@@ -130,11 +130,38 @@ class Observation:
         self.handles = []
 
 
+def _inspectable(original: nn.Module, path: str, position: int, holders: Sequence[int]) -> nn.Module | None:
+    """A meta-device copy of ``original`` whose submodules can be read (their settings, their weights' metadata) but
+    not called: calling one raises our error. None where ``original`` cannot be copied."""
+    try:
+        copy = meta_twin(original)
+    except Exception:  # a module that cannot be copied (it holds a lock, say): its submodules are not readable
+        return None
+
+    def refuse(name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            raise PipelineConfigError(
+                f"`{path}.{name}` was called on pipeline rank {position}, where the weights of `{path}` are not kept "
+                f"(pipeline rank(s) {list(holders)} hold them: the first training step used them there). Pass "
+                f"PipelineParallelStrategy(outside_weights=\"everywhere\") to keep every weight outside the blocks on "
+                f"every rank."
+            )
+
+        return hook
+
+    for name, submodule in copy.named_modules():
+        if name:
+            submodule.register_forward_pre_hook(refuse(name))
+    return copy
+
+
 class _Unused(nn.Module):
     """Takes the place of a module outside the blocks whose weights this rank does not hold (see the module doc).
 
     Its plain attributes stay readable (an embedding's ``padding_idx``), and so do its weights' shape and dtype: they
     read as unregistered meta-device tensors, so ``x.to(self.wte.weight.dtype)`` works and computing with them fails.
+    Its submodules read from a meta-device copy (Hugging Face's ViT reads
+    ``self.embeddings.patch_embeddings.projection.weight.dtype`` on every stage); calling one raises our error.
     """
 
     def __init__(self, path: str, original: nn.Module, twin: nn.Module | None, dtypes: list[torch.dtype] | None,
@@ -149,6 +176,17 @@ class _Unused(nn.Module):
         self.training = original.training
         self.__dict__["_device"] = next(original.parameters()).device  # where its outputs would have been
         self.__dict__["_unused"] = (path, twin, dtypes, position, tuple(holders), type(original).__name__)
+        self.__dict__["_inspected"] = _inspectable(original, path, position, holders)
+
+    def __getattr__(self, name: str) -> Any:
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            inspected = self.__dict__.get("_inspected")
+            children = dict(inspected.named_children()) if inspected is not None else {}
+            if name in children:
+                return children[name]
+            raise
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         path, twin, dtypes, position, holders, kind = self.__dict__["_unused"]
