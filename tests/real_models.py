@@ -661,6 +661,64 @@ class HFViT(L.LightningModule):
         return image_batches()
 
 
+# ----------------------------------------------------------- 11. a container of blocks of a few alternating types
+class AttentionBlock(nn.Module):
+    def __init__(self, dim: int, heads: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.attn = CausalSelfAttention(dim, heads)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return x + self.attn(self.norm(x), mask)
+
+
+class FeedForwardBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.up, self.down = nn.Linear(dim, 4 * dim), nn.Linear(4 * dim, dim)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return x + self.down(F.gelu(self.up(self.norm(x))))
+
+
+class ProjectionBlock(nn.Module):
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.proj = nn.Linear(dim, dim)
+
+    def forward(self, x: torch.Tensor, mask: torch.Tensor) -> torch.Tensor:
+        return self.proj(x)
+
+
+class AlternatingLM(L.LightningModule):
+    """``self.layers``: attention and feed-forward blocks alternating, one projection block in the middle (9 blocks;
+    the most common type is under half of them), found automatically."""
+
+    def __init__(self, dim: int = 32, heads: int = 4) -> None:
+        super().__init__()
+        pairs = [[AttentionBlock(dim, heads), FeedForwardBlock(dim)] for _ in range(4)]
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.layers = nn.ModuleList([*pairs[0], *pairs[1], ProjectionBlock(dim), *pairs[2], *pairs[3]])
+        self.head = nn.Linear(dim, VOCAB)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        x = self.embed(tokens)
+        mask = torch.ones(tokens.shape[1], tokens.shape[1], dtype=torch.bool, device=tokens.device).tril()
+        for layer in self.layers:
+            x = layer(x, mask)
+        loss = next_token_loss(self.head(x), tokens)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        return token_batches()
+
+
 # --------------------------------------------------------------------------------------------- the runs compared
 @dataclass(frozen=True)
 class Spec:
@@ -691,6 +749,7 @@ SPECS: dict[str, Spec] = {
     "torch_encoder": Spec(TorchEncoderClassifier, max_steps=-1, max_epochs=3, validate=True, predict=True),
     "torch_causal": Spec(lambda: TorchEncoderClassifier(causal=True), max_steps=-1, max_epochs=3, validate=True),
     "hf_vit": Spec(HFViT),
+    "alternating": Spec(AlternatingLM),
 }
 MODELS.update({name: spec.build for name, spec in SPECS.items()})
 

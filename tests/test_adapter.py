@@ -55,6 +55,19 @@ def test_finds_the_module_list_of_blocks_not_containers_inside_a_block() -> None
     assert name == "transformer.h" and isinstance(container, nn.ModuleList)
 
 
+def test_finds_a_container_of_blocks_of_a_few_types_not_their_insides() -> None:
+    """Attention and feed-forward blocks alternating, a projection block in the middle: no type is a majority, every
+    block holds weights. The container is found, not a container inside one of its blocks."""
+    from real_models import AlternatingLM
+
+    name, container = find_blocks(AlternatingLM(), None)
+    assert name == "layers" and len(container) == 9
+    with pytest.raises(PipelineConfigError, match=r"Containers of repeated blocks found: 'layers' \(9 blocks, "):
+        find_blocks(AlternatingLM(), "head")
+    mixed = nn.ModuleDict({"wte": nn.Embedding(10, 4), "h": nn.ModuleList([Block(), Block()]), "ln_f": nn.LayerNorm(4)})
+    assert find_blocks(nn.ModuleDict({"transformer": mixed}), None)[0] == "transformer.h"  # 3 types in 3: no
+
+
 def test_named_container_and_errors() -> None:
     model = NanoStyle()
     assert find_blocks(model, "transformer.h")[0] == "transformer.h"

@@ -246,8 +246,10 @@ def test_pytorch_transformer_encoder(world_size: int, tmp_path: Path) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_hugging_face_vit_with_the_default_placement() -> None:
+def test_hugging_face_vit_and_a_container_of_alternating_blocks() -> None:
     """Hugging Face's ``ViTForImageClassification``, unmodified, with the weights outside the blocks kept where used:
-    its forward reads the patch embedding's weight dtype on every stage, also where that weight is not kept."""
+    its forward reads the patch embedding's weight dtype on every stage, also where that weight is not kept. A
+    container of attention and feed-forward blocks alternating (no type a majority), found automatically."""
     runs = [job("hf_vit", schedule=schedule, microbatches=4) for schedule in ("1f1b", "zb_h1")]
-    check_all(2, runs, [matches("hf_vit") for _ in runs], timeout=200)
+    runs += [job("alternating", schedule=schedule, microbatches=4) for schedule in ("1f1b", "interleaved_1f1b")]
+    check_all(2, runs, [matches(run["kwargs"]["model"]) for run in runs], timeout=240)

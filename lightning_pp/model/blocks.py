@@ -12,7 +12,9 @@ from lightning_pp.errors import PipelineConfigError
 __all__ = ["CONTAINERS", "block_count", "find_blocks"]
 
 CONTAINERS = (nn.Sequential, nn.ModuleList, nn.ModuleDict)
-# a container is a candidate when its most common block type makes up at least this share of its blocks
+# a container is a candidate when its most common block type makes up at least this share of its blocks, or when every
+# block holds weights and there are at most (blocks x this) types (attention and MLP blocks alternating, a projection
+# block between them)
 _REPEATED_SHARE = 0.5
 # two candidates are ambiguous when the smaller holds at least this share of the larger one's parameters
 _AMBIGUOUS_SHARE = 0.5
@@ -30,8 +32,10 @@ def _is_repeated(container: nn.Module) -> bool:
     blocks = list(container.children())
     if len(blocks) < 2 or _parameter_count(container) == 0:
         return False
-    most_common = Counter(type(b) for b in blocks).most_common(1)[0][1]
-    return most_common >= _REPEATED_SHARE * len(blocks)
+    types = Counter(type(b) for b in blocks)
+    if types.most_common(1)[0][1] >= _REPEATED_SHARE * len(blocks):
+        return True
+    return len(types) <= _REPEATED_SHARE * len(blocks) and all(_parameter_count(b) > 0 for b in blocks)
 
 
 def _candidates(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Module]]:
@@ -53,7 +57,8 @@ def _describe(candidates: list[tuple[str, nn.Module]]) -> str:
 
 def find_blocks(module: nn.Module, name: str | None) -> tuple[str, nn.Module]:
     """The container to split into stages: the one at dotted path ``name``, or by default the container of repeated
-    blocks (most blocks of one type) that holds the most parameters, not counting containers inside a block."""
+    blocks (most blocks of one type, or blocks of a few types that all hold weights) that holds the most parameters,
+    not counting containers inside a block."""
     if name is not None:
         try:
             container = module.get_submodule(name)
