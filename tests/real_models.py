@@ -719,6 +719,23 @@ class AlternatingLM(L.LightningModule):
         return token_batches()
 
 
+# ------------------------------------------------------------------------------------ 12. blocks torch.compile'd
+class CompiledNanoGPT(NanoGPT):
+    """nanoGPT with each block compiled (``torch.compile(block, backend="eager")``: dynamo's graphs, no code
+    generation), as a user compiles blocks for speed."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.transformer.h = nn.ModuleList([torch.compile(block, backend="eager") for block in self.transformer.h])
+
+
+def compiled_graphs() -> int:
+    """The graphs dynamo has compiled in this process."""
+    from torch._dynamo.utils import counters
+
+    return int(counters["stats"]["unique_graphs"])
+
+
 # --------------------------------------------------------------------------------------------- the runs compared
 @dataclass(frozen=True)
 class Spec:
@@ -750,6 +767,7 @@ SPECS: dict[str, Spec] = {
     "torch_causal": Spec(lambda: TorchEncoderClassifier(causal=True), max_steps=-1, max_epochs=3, validate=True),
     "hf_vit": Spec(HFViT),
     "alternating": Spec(AlternatingLM),
+    "compiled": Spec(CompiledNanoGPT),
 }
 MODELS.update({name: spec.build for name, spec in SPECS.items()})
 
@@ -788,6 +806,7 @@ def run(name: str, strategy: Any = "auto", devices: int = 1, dirpath: str | None
             "grads": recorder.grads,
             "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
             "drawn": list(getattr(module, "drawn", [])),
+            "graphs": compiled_graphs(),
         }
         if spec.predict:
             result["predictions"] = torch.cat(trainer.predict(module))  # type: ignore[arg-type]

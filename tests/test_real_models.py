@@ -34,7 +34,7 @@ from support import (
     validated_and_predicted,
 )
 
-ADAMW_MODELS = {"hf_gpt2", "hf_gpt2_dropout", "hf_gpt2_padded", "nanogpt", "sliced"}
+ADAMW_MODELS = {"hf_gpt2", "hf_gpt2_dropout", "hf_gpt2_padded", "nanogpt", "sliced", "compiled"}
 
 
 def matches(model: str, params: bool | None = None) -> Callable[[list[Result], str], None]:
@@ -253,3 +253,16 @@ def test_hugging_face_vit_and_a_container_of_alternating_blocks() -> None:
     runs = [job("hf_vit", schedule=schedule, microbatches=4) for schedule in ("1f1b", "zb_h1")]
     runs += [job("alternating", schedule=schedule, microbatches=4) for schedule in ("1f1b", "interleaved_1f1b")]
     check_all(2, runs, [matches(run["kwargs"]["model"]) for run in runs], timeout=240)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_compiled_blocks_compile_once_not_per_microbatch() -> None:
+    """Blocks compiled with ``torch.compile``: training equals one device, and each rank compiles the block's graph
+    once for the first step, whose weight observation watches every torch call, and once for the rest (one device
+    compiles it once; before, the observation made dynamo compile anew for every micro-batch: 8 graphs)."""
+    def check(results: list[Result], label: str) -> None:
+        matches("compiled")(results, label)
+        assert [result["graphs"] for result in results] == [2, 2], label
+
+    check_all(2, [job("compiled", schedule="1f1b", microbatches=4)], [check], timeout=240)

@@ -67,7 +67,9 @@ class _ReadsObserver(TorchFunctionMode):
 
     def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
         kwargs = kwargs or {}
-        if _reads_values(func):
+        # inside code dynamo compiles (a compiled block: no weight outside the blocks is there) nothing is recorded:
+        # recording would make dynamo guard on the tensors' ids and compile anew for every micro-batch
+        if _reads_values(func) and not torch.compiler.is_compiling():
             self.observation.record_reads(_compat.tree_tensors((args, kwargs)))
         return func(*args, **kwargs)
 
