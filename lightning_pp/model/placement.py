@@ -136,7 +136,7 @@ def _inspectable(original: nn.Module, path: str, position: int, holders: Sequenc
     """A meta-device copy of ``original`` whose submodules can be read (their settings, their weights' metadata) but
     not called: calling one raises our error. None where ``original`` cannot be copied."""
     try:
-        copy = meta_twin(original)
+        shadow = meta_twin(original)
     except Exception:  # a module that cannot be copied (it holds a lock, say): its submodules are not readable
         return None
 
@@ -151,10 +151,10 @@ def _inspectable(original: nn.Module, path: str, position: int, holders: Sequenc
 
         return hook
 
-    for name, submodule in copy.named_modules():
+    for name, submodule in shadow.named_modules():
         if name:
             submodule.register_forward_pre_hook(refuse(name))
-    return copy
+    return shadow
 
 
 class _Unused(nn.Module):
