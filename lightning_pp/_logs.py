@@ -27,6 +27,7 @@ from lightning.fabric.utilities import move_data_to_device
 from torchmetrics import Metric
 
 from lightning_pp import _compat
+from lightning_pp._remote import refuse_remote
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.topology import StageGroups
 
@@ -208,6 +209,7 @@ class LogRecorder:
                     f"self.log({name!r}, ...) got a {type(value).__name__}; log a tensor, a number or a torchmetrics "
                     f"Metric that is an attribute of the module."
                 )
+            refuse_remote(value, f"The value logged as {name!r}")
             value = value.detach() if isinstance(value, torch.Tensor) else torch.tensor(value, device="cpu")
             self._calls.append((microbatch, name, value, options))
 

@@ -710,3 +710,42 @@ def assert_same_outputs(got: Any, want: Any) -> None:
             assert_same_outputs(a, b)
     else:
         assert got == want
+
+
+class AllHiddenStates(MLPClassifier):
+    """The loss reads every block's output, kept in a list by the loop (as Hugging Face's ``output_hidden_states``):
+    all the same shape, so a stage holding copies of the received activation in their place would train silently
+    wrong."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(*[nn.Sequential(nn.Linear(16, 16), nn.Tanh()) for _ in range(4)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = [torch.relu(self.inp(x))]
+        for layer in self.layers:
+            hidden.append(layer(hidden[-1]))
+        return self.head(torch.stack(hidden).mean(0))
+
+
+class SkipsAcrossStages(MLPClassifier):
+    """A U-Net's shape: each down block's output is kept and added back after the blocks (sizes 16 -> 12 -> 8 -> 4)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(16, 12), nn.Linear(12, 8), nn.Linear(8, 6), nn.Linear(6, 4))
+        self.up = nn.ModuleList([nn.Linear(4, 6), nn.Linear(6, 8), nn.Linear(8, 12), nn.Linear(12, 16)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = torch.relu(self.inp(x))
+        skips = []
+        for layer in self.layers:
+            skips.append(x)
+            x = torch.tanh(layer(x))
+        for up in self.up:
+            x = torch.tanh(up(x)) + skips.pop()
+        return self.head(x)
+
+
+MODELS["all_hidden_states"] = AllHiddenStates
+MODELS["skips_across_stages"] = SkipsAcrossStages

@@ -74,3 +74,19 @@ def test_hung_middle_stage_fails_every_other_stage() -> None:
         assert error is not None, ranks[rank].output[-2000:]
         assert error["type"] in ("PipelineTimeoutError", "PipelineCommError"), error
         assert f"Pipeline stage {rank} (rank {rank}) failed in action {rank}" in error["message"], error["message"]
+
+
+def test_outputs_of_other_stages_blocks_are_refused_not_trained_wrong() -> None:
+    """A loss over every block's output (same shapes: silently wrong before) and skip connections across stages
+    (a raw shape error before): our error on the stage that reads them, naming the pattern and the way out."""
+    runs = [{"scenario": "expect_error", "kwargs": {"model": model, "blocks": "layers", "schedule": "1f1b",
+                                                    "microbatches": 2, "timeout": 10}}
+            for model in ("all_hidden_states", "skips_across_stages")]
+    ranks = launch(2, runs, timeout=200)
+    expected = ["is computed from the output of a block held by another pipeline stage",  # the logged loss, first
+                "failed on the output of a block held by another pipeline stage"]
+    for index, message in enumerate(expected):
+        error = ranks[1].results[index]
+        assert error["type"] == "PipelineConfigError" and message in error["message"], error
+        assert "A stage receives only the output of the block just before its own blocks" in error["message"]
+        assert ranks[0].results[index]["type"] != "none", ranks[0].results[index]  # the other stage fails too

@@ -27,6 +27,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from lightning_pp import _compat
+from lightning_pp._remote import marked_remote
 from lightning_pp._tree import map_tensors
 from lightning_pp.errors import PipelineConfigError
 
@@ -180,6 +181,9 @@ class StageView:
         return list(self._local_blocks.values())
 
     def stand_in_output(self, index: int, owner: int) -> Any:
+        """What the stand-in of block ``index`` returns: the received activation where it is that block's output
+        (the block just before this stage's own, or in the finish the container's last), else marked
+        (:class:`RemoteBlockOutput`)."""
         if self.mode is Mode.OFF:
             raise PipelineConfigError(
                 f"Block {index} of `{self.container_name}` is held by pipeline stage {owner} (this is stage "
@@ -197,7 +201,8 @@ class StageView:
         if self._handed is None:
             # a fresh tensor, not the received leaf itself: the first block may work in place (ReLU(inplace=True))
             self._handed = map_tensors(self._received, lambda t: t.clone() if t.requires_grad else t)
-        return self._handed
+        genuine = index == (len(self.keys) - 1 if self.mode is Mode.FINISH else self.local.start - 1)
+        return self._handed if genuine else map_tensors(self._handed, marked_remote)
 
     def _before_first_block(self, stage: int, module: nn.Module, args: Any) -> None:
         if self.mode is Mode.MICROBATCH and stage == self.stage:

@@ -23,6 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_pp._logs import LogRecorder, replay
+from lightning_pp._remote import refuse_remote
 from lightning_pp.actions import Schedule
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.microbatch import batch_size, merge_microbatches, split_batch
@@ -251,6 +252,7 @@ class _Step:
                 f"{view.local.start}-{view.local.stop - 1} of `{view.container_name}`. A pipelined step must run "
                 f"every block of the container once per micro-batch (through the model's forward or a loop)."
             )
+        refuse_remote(output, f"What {self.name} returned")
         return self._weighted_loss(mb, output)
 
     def _weighted_loss(self, mb: int, output: Any) -> Tensor:
@@ -285,6 +287,7 @@ class _Step:
         joined = merge_microbatches([self.block_outputs[mb] for mb in range(len(self.microbatches))], self.sizes)
         with driver.view.finishing(joined), driver.randomness.pass_(-1), driver.recorder.recording(driver.module, 0):
             result = self.user_step(self.batch, *self.rest, **self.kwargs)
+        refuse_remote(result, f"What {self.name} returned")
         return result, driver.recorder.combine([self.total])
 
     def returned(self, result: Any, extra: dict[str, Any] | None) -> Any:
