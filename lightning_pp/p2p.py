@@ -24,9 +24,10 @@ payloads then go over NCCL into buffers sized by the header, and the payload ope
 are posted together (``batch_isend_irecv``, :meth:`StageP2P.flush`, which the runtime calls before computing); the
 compute stream, not the host, waits for them. Without ``header_groups``, NCCL uses packets as gloo does, each receive
 posted when its action runs (NCCL runs the operations between two ranks in posting order, so a receive posted early
-could hold back a send to the same peer). On NCCL a send's buffers are dropped as soon as it has completed, checked
-whenever the next send is posted; gloo's operations report completion only once waited for, so there they are dropped
-at the end of the step.
+could hold back a send to the same peer). On NCCL a payload send's buffers are dropped as soon as it has completed,
+checked whenever the next send is posted; gloo's operations (the headers' sends on NCCL too) report completion only once
+waited for, so theirs are dropped at the end of the step. A nested tensor (evaluation) is rebuilt from its payloads,
+so with ``header_groups`` they are posted and waited for as soon as its header is read.
 
 Sends are asynchronous; a receive waits, at most ``timeout`` seconds, and turns any failure into an error that names
 this stage, the action and the peer.
