@@ -34,7 +34,7 @@ from lightning_pp._failures import FailureSignal, naming_failures
 from lightning_pp._logs import LogRecorder
 from lightning_pp.actions import Schedule
 from lightning_pp.checkpoint import StageCheckpoints
-from lightning_pp.grads import PipelineGradients, add_to_grads
+from lightning_pp.grads import add_to_grads
 from lightning_pp.model.assembly import (
     StageAssembly,
     assemble_stage,
@@ -46,13 +46,12 @@ from lightning_pp.model.assembly import (
 from lightning_pp.model.balance import resolve_balance
 from lightning_pp.model.placement import WeightPlacement
 from lightning_pp.model.results import outputs_read
-from lightning_pp.model.split import Partition
 from lightning_pp.model.step import StepDriver
 from lightning_pp.options import PipelineOptions, check, documented_arguments
 from lightning_pp.p2p import StageP2P, connect_stages
 from lightning_pp.schedules import StepSchedules
 from lightning_pp.telemetry import PipelineTelemetry
-from lightning_pp.topology import PipelineLayout, StageGroups, start_process_group
+from lightning_pp.topology import PipelineLayout, start_process_group
 
 __all__ = ["PipelineParallelStrategy"]
 
@@ -123,14 +122,11 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend  # chosen from the device in setup_environment if None
         self._placement: WeightPlacement | None = None
         self._num_nodes = 1
-        self._partition: Partition | None = None
         self._assembly: StageAssembly | None = None
         self._checkpoints: StageCheckpoints | None = None
         self._driver: StepDriver | None = None
         self._hidden_example_input: Any = None  # example_input_array while fit starts (see _prepare_module)
-        self._grads: PipelineGradients | None = None
         self._p2p: StageP2P | None = None
-        self._groups: StageGroups | None = None
         # a gloo group over the world for object collectives where the default group is not gloo (None: the default)
         self.object_group: Any = None
         self._accumulating = False  # inside Lightning's block_backward_sync: gradients not synchronized yet
@@ -221,7 +217,7 @@ class PipelineParallelStrategy(ParallelStrategy):
     @property
     def last_grad_sync_bytes(self) -> int:
         """Gradient bytes this rank all-reduced at the latest optimizer step (replicas' average, shared weights)."""
-        return self._grads.last_bytes if self._grads is not None else 0
+        return self._assembly.grads.last_bytes if self._assembly is not None else 0
 
     @property
     def is_distributed(self) -> bool:
@@ -284,7 +280,6 @@ class PipelineParallelStrategy(ParallelStrategy):
             balance=self._balance_for(trainer, module), recompute_every=self.options.recompute_every,
             device=self.root_device, new_group=self._new_group, to_device=self._convert_and_move,
             place_where_used=place_where_used)
-        self._partition, self._groups, self._grads = assembly.partition, assembly.groups, assembly.grads
         self._placement = assembly.placement if place_where_used else None
         if fitting:
             setup_optimizers_everywhere(lambda: self.setup_optimizers(trainer), module, assembly.partition,
@@ -379,8 +374,8 @@ class PipelineParallelStrategy(ParallelStrategy):
         if group is None:
             if self.num_replicas == 1:
                 return tensor
-            assert self._groups is not None
-            group = self._groups.replicas
+            assert self._assembly is not None
+            group = self._assembly.groups.replicas
         return _compat._sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
 
     @override
@@ -390,8 +385,8 @@ class PipelineParallelStrategy(ParallelStrategy):
         if group is None:
             if self.num_replicas == 1:
                 return tensor
-            assert self._groups is not None
-            group = self._groups.replicas
+            assert self._assembly is not None
+            group = self._assembly.groups.replicas
         return super().all_gather(tensor, group=group, sync_grads=sync_grads)
 
     @override
@@ -463,8 +458,9 @@ class PipelineParallelStrategy(ParallelStrategy):
         with self._collective(f"agreeing whether the stages read what {step_name} returns"):
             sent = self._driver.decide_outputs(step_name, outputs_read(module.trainer, step_name))
         if not sent and step_name == "predict_step" and self.global_rank == 0:
-            assert self._groups is not None
-            log.info(f"The predictions stay on the pipeline's last stage (rank {self._groups.last_stage_rank}): "
+            assert self._assembly is not None
+            last_rank = self._assembly.groups.last_stage_rank
+            log.info(f"The predictions stay on the pipeline's last stage (rank {last_rank}): "
                      f"nothing on the other stages reads them (return_predictions=False, no prediction writer, no "
                      f"on_predict_batch_end hook), so predict_step returns None there.")
 
@@ -496,7 +492,7 @@ class PipelineParallelStrategy(ParallelStrategy):
             return self._pipelined_step("predict_step", args, kwargs)
 
     def _pipelined_step(self, step_name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
-        assert self._driver is not None and self._grads is not None and self.lightning_module is not None
+        assert self._driver is not None and self._assembly is not None and self.lightning_module is not None
         training = step_name == "training_step"
         if training and self._placement is not None and self._placement.wants_observation():
             self._placement.observe()
@@ -524,15 +520,14 @@ class PipelineParallelStrategy(ParallelStrategy):
         add_to_grads(self._driver.pending_grads)
         self._driver.pending_grads = []
         if not self._accumulating:  # the optimizer step's backward, as DDP's
-            assert self._grads is not None
+            assert self._assembly is not None
             if self._placement is not None and self._placement.observation is not None:
                 with self._collective("agreeing on which ranks use the weights outside the blocks"):
-                    assert self._assembly is not None
                     self._driver.shared = place_outside_weights(self._assembly, self.optimizers, self.root_device,
                                                                 self._new_group)
             timed = self.telemetry.timing_sink is not None and self._world > 1
             with self._collective("the gradient all-reduce (replicas' average, weights several stages hold)"):
-                sync_ms = self._grads.synchronize([p for p in module.parameters() if p.requires_grad], timed)
+                sync_ms = self._assembly.grads.synchronize([p for p in module.parameters() if p.requires_grad], timed)
             if timed:  # for PipelineMonitor
                 self.telemetry.last_grad_sync_ms = sync_ms
         closure_loss = self.precision_plugin.post_backward(closure_loss, module)
@@ -594,17 +589,18 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     @override
     def teardown(self) -> None:
-        if self._groups is not None and dist.is_initialized():  # the default group is Lightning's to destroy
-            for group in self._groups.created:
+        created = self._assembly.groups.created if self._assembly is not None else []
+        if dist.is_initialized():  # the default group is Lightning's to destroy
+            for group in created:
                 dist.destroy_process_group(group)
+        created.clear()
         if self.object_group is not None and dist.is_initialized():
             dist.destroy_process_group(self.object_group)
         self.object_group = None
         if self._placement is not None:
             self._placement.cancel()
-        if self._grads is not None:
-            self._grads.uninstall()
-        self._groups = None
+        if self._assembly is not None:
+            self._assembly.grads.uninstall()
         self._p2p = None
         if self._failures is not None:
             self._failures.stop()
