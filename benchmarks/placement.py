@@ -103,7 +103,7 @@ class Meter(L.Callback):
         self.starts.append(time.perf_counter())
 
     def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
-        self.sync_bytes.append(trainer.strategy.last_grad_sync_bytes)  # type: ignore[attr-defined]
+        self.sync_bytes.append(trainer.strategy.telemetry.last_grad_sync_bytes)  # type: ignore[attr-defined]
 
     def summary(self, trainer: L.Trainer, module: L.LightningModule) -> dict[str, float]:
         params = {id(p): p for p in module.parameters()}.values()

@@ -52,6 +52,8 @@ class FailureSignal:
         self._stop.set()
         with contextlib.suppress(Exception):  # the store may be gone with rank 0; the transfers' timeouts remain
             self._store.set(self._key, message)
+        if self._rank == 0:
+            time.sleep(1.5)  # rank 0 hosts the store: let the other ranks read the flag before this process ends
 
     def stop(self) -> None:
         self._stop.set()

@@ -162,6 +162,13 @@ class StageCheckpoints:
         return {k: v.detach().cpu() for k, v in self.module.state_dict().items()
                 if k.startswith(prefix) or last or k in elsewhere}
 
+    def module_state(self, checkpoint_format: str) -> dict[str, Any]:
+        """What a checkpoint of ``checkpoint_format`` holds of the module on this rank: the whole module's state on
+        global rank 0 (``"full"``, with several stages) or this rank's own."""
+        if checkpoint_format == "sharded" or self.num_stages == 1:
+            return self.module.state_dict()
+        return self.full_state_dict()
+
     def full_state_dict(self) -> dict[str, Any]:
         """The whole module's state on global rank 0 (empty elsewhere), in the single-device key order."""
         parts = self._gather_on_zero(self.own_state())

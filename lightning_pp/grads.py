@@ -217,6 +217,12 @@ def _replace(obj: Any, name: str, replacement: Callable[..., Any]) -> Callable[[
     return restore
 
 
+def enabled_scaler(precision_plugin: Any) -> torch.amp.GradScaler | None:
+    """The precision plugin's gradient scaler when it scales (fp16), else None."""
+    scaler = getattr(precision_plugin, "scaler", None)
+    return scaler if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
+
+
 def add_to_grads(pending: Iterable[tuple[nn.Parameter, Tensor]]) -> None:
     """Hand the gradients a schedule computed to their parameters: the first becomes ``grad``, later ones add to it."""
     for p, grad in pending:

@@ -32,4 +32,5 @@ class PipelineTelemetry:
     # set by the monitor: receives the next training step's timed events and its sample count (None: not timed)
     timing_sink: Callable[[list[TimelineEvent], int], None] | None = None
     last_schedule: Schedule | None = None  # the latest training step's schedule (set after each step)
+    last_grad_sync_bytes: int = 0  # gradient bytes all-reduced at the latest optimizer step (set after each one)
     last_grad_sync_ms: float | None = None  # the gradient sync of the latest timed step (set after each timed step)

@@ -15,7 +15,8 @@ import torch.distributed as dist
 from lightning_pp import _compat
 from lightning_pp._nccl_emulation import ENV_VAR, emulating_nccl
 
-__all__ = ["PipelineLayout", "StageGroups", "create_groups", "create_sharing_groups", "start_process_group"]
+__all__ = ["PipelineLayout", "StageGroups", "broadcast_object", "create_groups", "create_sharing_groups",
+           "start_process_group"]
 
 log = logging.getLogger(__name__)
 
@@ -170,3 +171,13 @@ def start_process_group(cluster_environment: Any, backend: str, timeout: timedel
     if world_size > 1 and (backend != "gloo" or emulating_nccl()):
         return dist.new_group(backend="gloo", timeout=timeout)
     return None
+
+
+def broadcast_object(obj: Any, src: int, group: Any) -> Any:
+    """``obj`` from global rank ``src`` on every rank, over ``group`` (None: the default group); ``obj`` itself
+    without a process group."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return obj
+    box = [obj]
+    dist.broadcast_object_list(box, src, group=group)
+    return box[0]

@@ -180,7 +180,7 @@ def trainer_for(balance: Any, stages: int = 2, **kwargs: Any) -> L.Trainer:
 
 
 def ranges_of(trainer: L.Trainer) -> list[range]:
-    return trainer.strategy._assembly.partition.view.ranges  # type: ignore[attr-defined, no-any-return]
+    return trainer.strategy.telemetry.view.ranges  # type: ignore[attr-defined, no-any-return]
 
 
 def test_time_probe_leaves_the_module_and_random_generators_as_they_were(capsys: pytest.CaptureFixture[str]) -> None:
@@ -206,7 +206,7 @@ def test_time_balance_isolates_the_slow_block_and_trains_like_one_device(capsys:
     device's, so losses agree."""
     strategy = PipelineParallelStrategy(schedule="interleaved_1f1b", microbatches=2, balance="time")
     _, logger = fit("slow_first8", strategy, devices=1, max_steps=4)
-    assert strategy._assembly is not None and strategy._assembly.partition.view.ranges == [range(0, 1), range(1, 8)]
+    assert strategy.telemetry.view is not None and strategy.telemetry.view.ranges == [range(0, 1), range(1, 8)]
     assert "lightning_pp: balance='time' split [1, 7]" in capsys.readouterr().out
     _, expected = fit("slow_first8", devices=1, max_steps=4)
     got = [m["train_loss"] for _, m in logger.history if "train_loss" in m]

@@ -83,8 +83,8 @@ def test_timeouts_are_separate() -> None:
 
     strategy = PipelineParallelStrategy(timeout=20)
     assert strategy.timeout == 20.0
-    assert strategy.process_group_timeout == timedelta(minutes=30)  # Lightning's (torch's) default
-    assert PipelineParallelStrategy(process_group_timeout=90).process_group_timeout == timedelta(seconds=90)
+    assert strategy.options.group_timeout == timedelta(minutes=30)  # Lightning's (torch's) default
+    assert PipelineParallelStrategy(process_group_timeout=90).options.group_timeout == timedelta(seconds=90)
 
 
 def test_balance_for_another_world_size_fails_before_launch() -> None:

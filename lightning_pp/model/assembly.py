@@ -8,6 +8,7 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
 from dataclasses import dataclass
 from typing import Any
 
@@ -18,12 +19,14 @@ from torch import Tensor, nn
 from lightning_pp.actions import Schedule
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.grads import PipelineGradients, broadcast_tensors
+from lightning_pp.model.balance import resolve_balance
 from lightning_pp.model.placement import WeightPlacement
 from lightning_pp.model.split import Partition, split_module
+from lightning_pp.options import PipelineOptions
 from lightning_pp.topology import PipelineLayout, StageGroups, create_groups, create_sharing_groups
 
-__all__ = ["StageAssembly", "assemble_stage", "is_assembled", "place_outside_weights", "placement_of",
-           "setup_optimizers_everywhere"]
+__all__ = ["StageAssembly", "assemble_stage", "balance_for", "is_assembled", "place_outside_weights", "placement_of",
+           "refuse_manual_optimization", "set_aside_example_input", "setup_optimizers_everywhere"]
 
 log = logging.getLogger(__name__)
 
@@ -49,6 +52,12 @@ class StageAssembly:
     grads: PipelineGradients
     # where the weights outside the blocks are kept: this run's placement, or an earlier run's (None: on every rank)
     placement: WeightPlacement | None
+    places: bool  # whether this run places the weights outside the blocks where they are used
+
+    @property
+    def placing(self) -> WeightPlacement | None:
+        """This run's placement, observed on its first training step (None: this run places nothing)."""
+        return self.placement if self.places else None
 
 
 def is_assembled(module: nn.Module) -> bool:
@@ -60,6 +69,43 @@ def placement_of(module: nn.Module) -> WeightPlacement | None:
     """The placement a run made of ``module``'s weights outside the blocks, if any."""
     earlier = _EARLIER_RUNS.get(module)
     return earlier.placement if earlier is not None else None
+
+
+def refuse_manual_optimization(module: Any) -> None:
+    """A fit's module must use automatic optimization: the schedule runs forward and backward itself."""
+    if not module.automatic_optimization:
+        raise PipelineConfigError(
+            f"{type(module).__name__} uses manual optimization (automatic_optimization=False), which "
+            f"PipelineParallelStrategy does not support: the schedule runs forward and backward itself. Use "
+            f"automatic optimization, where Lightning calls the optimizers after the pipelined step.")
+
+
+def set_aside_example_input(module: Any, rank: int) -> Any:
+    """Take ``example_input_array`` off the module while fit starts and return it (None: there is none). Lightning's
+    model summary (and a logger's graph) run the module on it outside the pipelined step, where other stages' blocks
+    cannot run; the strategy puts it back once training starts."""
+    example = module.example_input_array
+    if example is not None:
+        module.example_input_array = None
+        if rank == 0:
+            log.info("example_input_array is set aside until training starts: the model summary is shown without "
+                     "input and output sizes (a pipeline cannot run the whole model outside its steps).")
+    return example
+
+
+def balance_for(options: PipelineOptions, module: Any, trainer: Any, num_ranks: int, microbatches: int,
+                device: torch.device, precision: Any, layout: PipelineLayout, rank: int,
+                collective: Callable[[str], AbstractContextManager[None]], object_group: Any) -> list[int] | None:
+    """Blocks per stage for the split: the user's list, ``None`` for an even split, or what ``balance="params"`` /
+    ``"time"`` give (alike on every rank: ``"time"`` measures on global rank 0 and broadcasts). Nothing is measured
+    for a module an earlier run split (that split is kept) or for a single stage."""
+    num_stages = num_ranks * (options.stages_per_rank or 1)
+    if options.balance_by not in ("params", "time") or num_stages == 1 or is_assembled(module):
+        return options.balance_list
+    return resolve_balance(options.balance_by, module, options.blocks_name, num_stages, trainer, device=device,
+                           microbatches=microbatches, precision=precision, recompute_every=options.recompute_every,
+                           global_rank=rank, world_size=layout.world_size, collective=collective,
+                           object_group=object_group)
 
 
 def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout, rank: int, *, blocks: str | None,
@@ -104,7 +150,8 @@ def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout
     if place_where_used and placement is None:
         placement = earlier.placement = WeightPlacement(module, shared, stage, layout.num_stages)
     partition.view.pass_context = placement.reads if placement is not None else contextlib.nullcontext
-    return StageAssembly(partition, groups, shared, PipelineGradients(shared, groups, device), placement)
+    return StageAssembly(partition, groups, shared, PipelineGradients(shared, groups, device), placement,
+                         place_where_used)
 
 
 def place_outside_weights(assembly: StageAssembly, optimizers: Sequence[Any], device: torch.device,

@@ -1,0 +1,129 @@
+"""One Trainer run (fit, validate, test or predict) on this rank's assembled stage: the transfers, the step driver,
+the logged values' recorder, the hand-over of each step's gradients to Lightning and their synchronization, the
+checkpoints and what the monitor reads. The strategy opens a session in ``setup`` and closes it at ``teardown``; its
+hooks call the session."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+
+from lightning_pp._logs import LogRecorder
+from lightning_pp.actions import Schedule
+from lightning_pp.checkpoint import StageCheckpoints
+from lightning_pp.grads import add_to_grads
+from lightning_pp.model.assembly import StageAssembly, place_outside_weights, placement_of
+from lightning_pp.model.results import outputs_read
+from lightning_pp.model.step import StepDriver
+from lightning_pp.options import PipelineOptions
+from lightning_pp.p2p import StageP2P, connect_stages
+from lightning_pp.telemetry import PipelineTelemetry
+from lightning_pp.topology import PipelineLayout
+
+__all__ = ["StageSession"]
+
+log = logging.getLogger(__name__)
+
+Collective = Callable[[str], AbstractContextManager[None]]
+
+
+class StageSession:
+    """This rank's stage during one Trainer run. ``object_group()`` is the group for object collectives now (None:
+    the default group); ``new_group(ranks)`` creates a group of the job's backend."""
+
+    def __init__(self, module: pl.LightningModule, assembly: StageAssembly, schedules: Callable[[int, bool], Schedule],
+                 layout: PipelineLayout, rank: int, device: torch.device, options: PipelineOptions,
+                 microbatches: int, telemetry: PipelineTelemetry, object_group: Callable[[], Any],
+                 new_group: Callable[[list[int]], Any]) -> None:
+        self.module, self.assembly, self.schedules = module, assembly, schedules
+        self.layout, self.rank, self.device, self.telemetry = layout, rank, device, telemetry
+        self.microbatches, self.new_group = microbatches, new_group
+        self.stage = layout.stage_of(rank)
+        partition, groups = assembly.partition, assembly.groups
+        pipelined = layout.num_stages > 1
+        self.recorder = LogRecorder()
+        self.recorder.attach(module, groups if pipelined else None)
+        p2p: StageP2P | None = None
+        if pipelined:
+            stage_to_rank = schedules(microbatches, False).stage_to_rank
+            p2p = connect_stages(groups, stage_to_rank, device, options.transfer_timeout, lambda ranks: (
+                dist.new_group(ranks, backend="gloo", timeout=options.group_timeout)))
+        self.driver = StepDriver(module, partition.view, p2p, self.recorder, device, schedules, microbatches,
+                                 options.microbatch_weight, groups if pipelined else None, position=self.stage,
+                                 shared=assembly.shared)
+        self.checkpoints = StageCheckpoints(
+            module, partition, self._not_on_last_stage, world=layout.world_size, rank=rank, stage=self.stage,
+            replica=layout.replica_of(rank), num_stages=layout.num_stages, rank_of=layout.rank,
+            object_group=object_group, device=device)
+        telemetry.device, telemetry.stage, telemetry.replica = device, self.stage, layout.replica_of(rank)
+        telemetry.object_group, telemetry.view = object_group(), partition.view
+
+    def decide_outputs(self, step_name: str, collective: Collective) -> None:
+        """Send the step's outputs from the last stage to the others only if something there reads them."""
+        if self.layout.num_stages == 1:
+            return
+        with collective(f"agreeing whether the stages read what {step_name} returns"):
+            sent = self.driver.decide_outputs(step_name, outputs_read(self.module.trainer, step_name))
+        if not sent and step_name == "predict_step" and self.rank == 0:
+            log.info(f"The predictions stay on the pipeline's last stage (rank {self.assembly.groups.last_stage_rank}):"
+                     f" nothing on the other stages reads them (return_predictions=False, no prediction writer, no "
+                     f"on_predict_batch_end hook), so predict_step returns None there.")
+
+    def run_step(self, step_name: str, args: tuple[Any, ...], kwargs: dict[str, Any], collective: Collective,
+                 scaler: torch.amp.GradScaler | None) -> Any:
+        """The user's ``step_name`` run pipelined; what it returns on one device."""
+        training = step_name == "training_step"
+        placing = self.assembly.placing
+        if training and placing is not None and placing.wants_observation():
+            placing.observe()
+        result = self.driver.run(
+            step_name, args, kwargs, collective=collective,
+            accumulation=self.module.trainer.accumulate_grad_batches if training else 1,
+            scaler=scaler if training else None, timing_sink=self.telemetry.timing_sink)
+        if training:
+            self.telemetry.last_schedule = self.driver.last_schedule
+        return result
+
+    def hand_over_grads(self, optimizer_step: bool, optimizers: Sequence[Any], collective: Collective) -> None:
+        """Add the step's gradients to the parameters' (Lightning zeroed them after the step). At the optimizer step,
+        as DDP's backward: after the first observed step, keep the weights outside the blocks only where they are used;
+        then average over the replicas and sum the weights several stages hold."""
+        add_to_grads(self.driver.pending_grads)
+        self.driver.pending_grads = []
+        if not optimizer_step:
+            return
+        assembly = self.assembly
+        if assembly.placing is not None and assembly.placing.observation is not None:
+            with collective("agreeing on which ranks use the weights outside the blocks"):
+                self.driver.shared = place_outside_weights(assembly, optimizers, self.device, self.new_group)
+        timed = self.telemetry.timing_sink is not None and self.layout.world_size > 1
+        with collective("the gradient all-reduce (replicas' average, weights several stages hold)"):
+            params = [p for p in self.module.parameters() if p.requires_grad]
+            sync_ms = assembly.grads.synchronize(params, timed)
+        self.telemetry.last_grad_sync_bytes = assembly.grads.last_bytes
+        if timed:  # for PipelineMonitor
+            self.telemetry.last_grad_sync_ms = sync_ms
+
+    def _not_on_last_stage(self) -> set[str]:
+        """The state entries the last stage does not hold (weights used before the blocks only)."""
+        placement = placement_of(self.module)
+        last_rank = self.schedules(self.microbatches, False).stage_to_rank[-1]
+        return placement.missing_keys(last_rank) if placement is not None else set()
+
+    def close(self) -> None:
+        """Destroy the groups the session's assembly created, stop observing, undo the gradient patches."""
+        created = self.assembly.groups.created
+        if dist.is_initialized():  # the default group is Lightning's to destroy
+            for group in created:
+                dist.destroy_process_group(group)
+        created.clear()
+        if self.assembly.placing is not None:
+            self.assembly.placing.cancel()
+        self.assembly.grads.uninstall()
+        self.recorder.detach()
