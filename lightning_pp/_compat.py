@@ -55,8 +55,9 @@ def mark_metric_updated(metric: Any, counted: bool, forward_value: torch.Tensor 
 
 def split_backward_applies(outputs: list[torch.Tensor], inputs: list[torch.Tensor],
                            params: list[torch.nn.Parameter]) -> bool:
-    """Whether torch's input/weight split (below) gives every gradient: each output depends on the inputs, and each
-    weight in the graph reaches it through a node on the inputs' paths (torch leaves the others out silently)."""
+    """Whether torch's input/weight split (below) gives every gradient: each output depends on the inputs, each input
+    is in the graph (torch's weight pass fails on one that is not), and each weight in the graph reaches it through a
+    node on the inputs' paths (torch leaves the others out silently)."""
     from torch.distributed.pipelining._backward import (
         _get_grad_fn_or_grad_acc,
         construct_reverse_graph,
@@ -68,6 +69,8 @@ def split_backward_applies(outputs: list[torch.Tensor], inputs: list[torch.Tenso
     reverse = construct_reverse_graph(roots)
     input_nodes = [n for n in map(_get_grad_fn_or_grad_acc, inputs) if n is not None]
     nodes = [n for n in map(_get_grad_fn_or_grad_acc, params) if n is not None and n in reverse]  # before the lookups
+    if not all(n in reverse or n in roots for n in input_nodes):
+        return False
     inputs_closure, _ = reverse_closure(input_nodes, set(), reverse)  # below add keys to the defaultdict
     if not all(root in inputs_closure for root in roots):
         return False
@@ -157,6 +160,30 @@ def child_names(container: torch.nn.Module) -> list[str]:
     return list(container._modules)
 
 
+def forward_hooks(module: torch.nn.Module) -> list[tuple[Callable[..., Any], bool]]:
+    """The module's own forward hooks in call order, each with whether it takes the call's kwargs."""
+    with_kwargs = module._forward_hooks_with_kwargs
+    return [(hook, key in with_kwargs) for key, hook in module._forward_hooks.items()]
+
+
+def share_forward_hooks(source: torch.nn.Module, target: torch.nn.Module) -> None:
+    """Give ``target`` the very hook registries of ``source``: a forward (pre-)hook registered on either is on both."""
+    for name in ("_forward_hooks", "_forward_hooks_with_kwargs", "_forward_hooks_always_called", "_forward_pre_hooks",
+                 "_forward_pre_hooks_with_kwargs"):
+        target.__dict__[name] = source.__dict__[name]
+
+
+def unregister_tensors(module: torch.nn.Module) -> None:
+    """Make the module's own parameters and buffers plain attributes: still readable by name, no longer part of its
+    parameters, buffers or state dict."""
+    for name, tensor in [*module._parameters.items(), *module._buffers.items()]:
+        module._parameters.pop(name, None)
+        module._buffers.pop(name, None)
+        module._non_persistent_buffers_set.discard(name)
+        if tensor is not None:
+            module.__dict__[name] = tensor
+
+
 __all__ = [
     "_SubprocessScriptLauncher",
     "_default_store",
@@ -168,10 +195,12 @@ __all__ = [
     "backward_input",
     "backward_weight",
     "child_names",
+    "forward_hooks",
     "fresh_persistent_workers",
     "mark_metric_updated",
     "metric_forward_value",
     "replace_metric_sync",
+    "share_forward_hooks",
     "split_backward_applies",
     "sync_metric_states",
     "tensor_version",
@@ -180,4 +209,5 @@ __all__ = [
     "tree_map_tensors",
     "tree_tensors",
     "tree_unflatten",
+    "unregister_tensors",
 ]

@@ -15,10 +15,10 @@ __all__ = ["RemoteBlockOutput", "marked_remote", "refuse_remote"]
 
 _ONLY_THE_LAST = (
     "A stage receives only the output of the block just before its own blocks: the outputs of earlier blocks are not "
-    "there (a skip connection across stages, a list of every block's output such as Hugging Face's "
-    "output_hidden_states, a loss over all hidden states). Split a container whose blocks hand on everything the "
-    "code after them reads (name it with PipelineParallelStrategy(blocks=...)), or compute such values inside the "
-    "blocks."
+    "there (a skip connection across stages, a list of every block's output, a loss over all hidden states). Pass "
+    "PipelineParallelStrategy(carry_block_outputs=True) to send every block's output on to every later stage, or "
+    "split a container whose blocks hand on everything the code after them reads (name it with "
+    "PipelineParallelStrategy(blocks=...))."
 )
 
 

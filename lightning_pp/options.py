@@ -115,6 +115,13 @@ class PipelineOptions:
     head on the last, a tied embedding/head on both), and its gradient is summed among those; elsewhere its module
     becomes a weightless stand-in. Frozen weights are placed once they become trainable. The rule, and what stays
     everywhere: :mod:`lightning_pp.model.placement`. ``"everywhere"``: every rank holds all of them."""
+    carry_block_outputs: bool = False
+    """Send every block's output on to every later stage, not only the last block's, so that code reading earlier
+    blocks' outputs after or between the blocks (a U-Net's skip connections across stages, a loss over a list of every
+    block's output) sees one device's values, with gradients back to the stage that computed them. Each stage then
+    sends the outputs of all blocks up to its own last one. Without it such a step is refused with our error. (Values
+    the model records with forward hooks, as Hugging Face's ``output_hidden_states`` and router logits, always
+    travel.)"""
 
     schedule_file: Schedule | None = field(init=False, default=None)
     """The schedule read from ``schedule`` when it names a ``.csv`` file (read on construction: a missing or broken
@@ -201,6 +208,9 @@ class PipelineOptions:
         check(self.outside_weights in ("where_used", "everywhere"),
                f"outside_weights={self.outside_weights!r}; use 'where_used' (each weight outside the blocks only on "
                f"the ranks that use it) or 'everywhere' (on every rank).")
+        check(isinstance(self.carry_block_outputs, bool),
+               f"carry_block_outputs={self.carry_block_outputs!r} ({type(self.carry_block_outputs).__name__}) must "
+               f"be True or False.")
         check(isinstance(self.reuse_cpu_memory, bool),
                f"reuse_cpu_memory={self.reuse_cpu_memory!r} ({type(self.reuse_cpu_memory).__name__}) must be True "
                f"or False.")

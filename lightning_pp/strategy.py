@@ -84,9 +84,10 @@ class PipelineParallelStrategy(ParallelStrategy):
         process_group_timeout: float | timedelta | None = None, checkpoint_format: str = "full",
         process_group_backend: str | None = None, reuse_cpu_memory: bool = True,
         microbatch_weight: Callable[[Any], Any] | None = None, activation_checkpointing: bool | int = False,
-        outside_weights: str = "where_used", accelerator: pl.accelerators.Accelerator | None = None,
-        parallel_devices: list[torch.device] | None = None, cluster_environment: ClusterEnvironment | None = None,
-        checkpoint_io: CheckpointIO | None = None, precision_plugin: Precision | None = None,
+        outside_weights: str = "where_used", carry_block_outputs: bool = False,
+        accelerator: pl.accelerators.Accelerator | None = None, parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None, checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
     ) -> None:
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
@@ -97,7 +98,7 @@ class PipelineParallelStrategy(ParallelStrategy):
             process_group_timeout=process_group_timeout, checkpoint_format=checkpoint_format,
             process_group_backend=process_group_backend, reuse_cpu_memory=reuse_cpu_memory,
             microbatch_weight=microbatch_weight, activation_checkpointing=activation_checkpointing,
-            outside_weights=outside_weights)
+            outside_weights=outside_weights, carry_block_outputs=carry_block_outputs)
         self._process_group_backend = process_group_backend  # chosen from the device in setup_environment if None
         self._num_nodes = 1
         self._session: StageSession | None = None  # this rank's stage during a Trainer run, from setup to teardown

@@ -661,6 +661,140 @@ class HFViT(L.LightningModule):
         return image_batches()
 
 
+# ----------------------------------------------------------- 10b. a mixture of experts with its router loss
+class HFMixtral(L.LightningModule):
+    """``MixtralForCausalLM`` from a small config, unmodified, with ``output_router_logits=True``: transformers records
+    every layer's router logits with forward hooks on the routers inside the layers and adds the load-balancing loss
+    over all of them (``router_aux_loss_coef``) to the loss after the blocks. The router loss is a batch statistic:
+    the single-device reference (``chunks=4``) averages the losses of the micro-batches' four quarters of each batch,
+    as the pipeline does; validation runs on the whole batch on one device and pipelined alike."""
+
+    def __init__(self, chunks: int = 1) -> None:
+        super().__init__()
+        from transformers import MixtralConfig, MixtralForCausalLM
+
+        config = MixtralConfig(vocab_size=VOCAB, hidden_size=16, intermediate_size=32, num_hidden_layers=4,
+                               num_attention_heads=2, num_key_value_heads=1, num_local_experts=4,
+                               num_experts_per_tok=2, max_position_embeddings=16, output_router_logits=True,
+                               router_aux_loss_coef=0.1, tie_word_embeddings=False)
+        self.model = MixtralForCausalLM(config)
+        self.chunks = chunks
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (input_ids,) = batch
+        outputs = [self.model(ids, labels=ids) for ids in input_ids.chunk(self.chunks)]
+        loss = torch.stack([o.loss for o in outputs]).mean()
+        self.log("train_loss", loss)
+        self.log("train_aux_loss", torch.stack([o.aux_loss for o in outputs]).mean())
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        (input_ids,) = batch
+        output = self.model(input_ids, labels=input_ids)
+        self.log("val_ppl", torch.exp(output.loss))
+        self.log("val_aux_loss", output.aux_loss)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        return token_batches()
+
+    def val_dataloader(self) -> DataLoader:
+        return token_batches(batches=2, seed=1)
+
+
+class HiddenStatesGPT2(HFGPT2):
+    """GPT-2 with ``output_hidden_states=True`` and a loss over every hidden state (an auxiliary penalty on their
+    scale, as feature-matching or distillation losses read them): transformers records them with forward hooks on
+    the blocks, the first one from the first block's input."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (input_ids,) = batch
+        output = self.model(input_ids, labels=input_ids, output_hidden_states=True)
+        penalty = torch.stack([h.pow(2).mean() for h in output.hidden_states]).mean()
+        self.log("train_loss", output.loss)
+        self.log("train_penalty", penalty)
+        return output.loss + 0.01 * penalty
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+
+# ----------------------------------------------------------- 10c. a U-Net: skip connections across the stages
+class DownBlock(nn.Module):
+    def __init__(self, channels_in: int, channels_out: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels_in, channels_out, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.avg_pool2d(F.silu(self.conv(x)), 2)
+
+
+class UpBlock(nn.Module):
+    def __init__(self, channels_in: int, channels_out: int) -> None:
+        super().__init__()
+        self.conv = nn.Conv2d(channels_in, channels_out, 3, padding=1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return F.interpolate(F.silu(self.conv(x)), scale_factor=2.0, mode="nearest")
+
+
+class UNet(nn.Module):
+    """A small U-Net as diffusion and segmentation models have it: each down block's output is kept and concatenated
+    back into the up block of the same resolution (16x16 images: 8 -> 4 -> 2 -> 1 and back)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.stem = nn.Conv2d(3, 4, 3, padding=1)
+        self.downs = nn.ModuleList([DownBlock(4, 8), DownBlock(8, 8), DownBlock(8, 16), DownBlock(16, 16)])
+        self.mid = nn.Conv2d(16, 16, 3, padding=1)
+        self.ups = nn.ModuleList([UpBlock(32, 16), UpBlock(32, 8), UpBlock(16, 8), UpBlock(16, 4)])
+        self.out = nn.Conv2d(4, 3, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = self.stem(x)
+        skips = []
+        for down in self.downs:
+            x = down(x)
+            skips.append(x)
+        x = F.silu(self.mid(x))
+        for up in self.ups:
+            x = up(torch.cat([x, skips.pop()], dim=1))
+        return self.out(x)
+
+
+class UNetAutoencoder(L.LightningModule):
+    """Trains the U-Net to reconstruct its input; either container (``net.downs``, ``net.ups``) can be the blocks."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.net = UNet()
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (images,) = batch
+        loss = F.mse_loss(self.net(images), images)
+        self.log("train_loss", loss)
+        return loss
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        (images,) = batch
+        self.log("val_loss", F.mse_loss(self.net(images), images))
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.5)
+
+    def train_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(0)
+        return DataLoader(TensorDataset(torch.randn(4 * BATCH_SIZE, 3, 16, 16, generator=generator)),
+                          batch_size=BATCH_SIZE)
+
+    def val_dataloader(self) -> DataLoader:
+        generator = torch.Generator().manual_seed(1)
+        return DataLoader(TensorDataset(torch.randn(2 * BATCH_SIZE, 3, 16, 16, generator=generator)),
+                          batch_size=BATCH_SIZE)
+
+
 # ----------------------------------------------------------- 11. a container of blocks of a few alternating types
 class AttentionBlock(nn.Module):
     def __init__(self, dim: int, heads: int) -> None:
@@ -744,7 +878,8 @@ class Spec:
     build: Callable[[], L.LightningModule]
     max_steps: int = 4
     max_epochs: int = -1
-    validate: bool = False  # validate every epoch and keep the best two checkpoints by val_ppl
+    validate: bool = False  # validate every epoch and keep the best two checkpoints by `monitor`
+    monitor: str = "val_ppl"
     finetune: bool = False  # BackboneFinetuning, unfreezing at epoch 1
     predict: bool = False  # after fit, predict on the validation batches
 
@@ -768,6 +903,10 @@ SPECS: dict[str, Spec] = {
     "hf_vit": Spec(HFViT),
     "alternating": Spec(AlternatingLM),
     "compiled": Spec(CompiledNanoGPT),
+    "hf_gpt2_hidden_states": Spec(HiddenStatesGPT2),
+    "unet": Spec(UNetAutoencoder, max_steps=-1, max_epochs=2, validate=True, monitor="val_loss"),
+    "hf_mixtral": Spec(HFMixtral, max_steps=-1, max_epochs=2, validate=True),
+    "hf_mixtral_quarters": Spec(lambda: HFMixtral(chunks=4), max_steps=-1, max_epochs=2, validate=True),
 }
 MODELS.update({name: spec.build for name, spec in SPECS.items()})
 
@@ -789,7 +928,7 @@ def run(name: str, strategy: Any = "auto", devices: int = 1, dirpath: str | None
     checkpoint = None
     with tempfile.TemporaryDirectory() as scratch:
         if spec.validate:
-            checkpoint = ModelCheckpoint(dirpath=dirpath or scratch, monitor="val_ppl", mode="min", save_top_k=2)
+            checkpoint = ModelCheckpoint(dirpath=dirpath or scratch, monitor=spec.monitor, mode="min", save_top_k=2)
             callbacks.append(checkpoint)
         if spec.finetune:
             callbacks.append(BackboneFinetuning(unfreeze_backbone_at_epoch=1, verbose=False))

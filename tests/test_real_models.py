@@ -266,3 +266,52 @@ def test_compiled_blocks_compile_once_not_per_microbatch() -> None:
         assert [result["graphs"] for result in results] == [2, 2], label
 
     check_all(2, [job("compiled", schedule="1f1b", microbatches=4)], [check], timeout=240)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_mixture_of_experts_router_loss_over_every_layer() -> None:
+    """Hugging Face's Mixtral with ``output_router_logits=True``: transformers records each layer's router logits with
+    forward hooks inside the layers and adds the load-balancing loss over all of them. The first stage's routers'
+    logits reach the last stage, so the loss, its gradient to the first stage's routers, the logged auxiliary loss and
+    validation (on the whole batch) equal one device's. The router loss is a batch statistic: the reference averages
+    the losses of each batch's four quarters, the micro-batches."""
+    def check(results: list[Result], label: str) -> None:
+        want = real_model_reference("hf_mixtral_quarters")
+        compare(results, want, label, params=True)
+        for key in ("train_aux_loss", "val_ppl", "val_aux_loss"):
+            check_logged(results[0]["history"], want["history"], key, rel_tol=METRIC_RTOL)
+
+    runs = [job("hf_mixtral", schedule=schedule, microbatches=4) for schedule in ("1f1b", "interleaved_1f1b")]
+    check_all(2, runs, [check, check], timeout=240)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_hidden_states_of_every_layer_in_the_loss() -> None:
+    """GPT-2 with ``output_hidden_states=True`` and a loss over all of them: transformers records them with forward
+    hooks on the blocks; every block's output reaches the last stage (and its gradient the stage that computed it)."""
+    def check(results: list[Result], label: str) -> None:
+        matches("hf_gpt2_hidden_states")(results, label)
+        want = real_model_reference("hf_gpt2_hidden_states")
+        check_logged(results[0]["history"], want["history"], "train_penalty", rel_tol=METRIC_RTOL)
+
+    runs = [job("hf_gpt2_hidden_states", schedule=schedule, microbatches=4) for schedule in ("1f1b", "zb_h1")]
+    check_all(2, runs, [check, check], timeout=240)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_unet_skips_across_stages_with_either_container() -> None:
+    """A U-Net whose down blocks' outputs are concatenated back into the up blocks, with ``carry_block_outputs=True``:
+    split along its down blocks (the skips are read after them, on the last stage) and along its up blocks (each
+    skip joins the previous up block's output between the blocks), training and validation equal one device's."""
+    def check(results: list[Result], label: str) -> None:
+        want = real_model_reference("unet")
+        compare(results, want, label, params=True)
+        check_logged(results[0]["history"], want["history"], "val_loss", rel_tol=METRIC_RTOL)
+
+    runs = [job("unet", blocks=blocks, schedule=schedule, microbatches=4, carry_block_outputs=True)
+            for blocks, schedule in (("net.downs", "1f1b"), ("net.downs", "interleaved_1f1b"), ("net.ups", "1f1b"),
+                                     ("net.ups", "zb_h1"))]
+    check_all(2, runs, [check] * len(runs), timeout=240)

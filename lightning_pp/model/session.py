@@ -46,6 +46,7 @@ class StageSession:
         self.microbatches, self.new_group = microbatches, new_group
         self.stage = layout.stage_of(rank)
         partition, groups = assembly.partition, assembly.groups
+        partition.view.sides.every_block = options.carry_block_outputs
         pipelined = layout.num_stages > 1
         self.recorder = LogRecorder()
         self.recorder.attach(module, groups if pipelined else None)

@@ -30,19 +30,34 @@ from lightning_pp import _compat
 from lightning_pp._remote import marked_remote
 from lightning_pp._tree import map_tensors
 from lightning_pp.errors import PipelineConfigError
+from lightning_pp.model.sides import SideOutputs, Sides, ours, split_sides
 
 __all__ = ["Mode", "StageOutput", "StageView", "meta_twin"]
 
 
 class StageOutput(BaseException):  # a control-flow signal, not an error
-    """Raised after the stage's last block to end the user's step with that block's output.
+    """Raised after the stage's last block to end the user's step with that block's output and the side outputs
+    recorded inside this and earlier stages' blocks (see :mod:`lightning_pp.model.sides`).
 
     A BaseException, so that an ``except Exception`` in the user's code cannot swallow it.
     """
 
-    def __init__(self, output: Any) -> None:
+    def __init__(self, output: Any, sides: Sides) -> None:
         super().__init__()
         self.output = output
+        self.sides = sides
+
+
+def _fresh(received: Any) -> Any:
+    """``received`` with a fresh tensor for each that needs gradients (not the received leaf itself)."""
+    return map_tensors(received, lambda t: t.clone() if t.requires_grad else t)
+
+
+def _by_block(sides: Sides) -> dict[int, Sides]:
+    grouped: dict[int, Sides] = {}
+    for record in sides:
+        grouped.setdefault(record[0], []).append(record)
+    return grouped
 
 
 class Mode(enum.Enum):
@@ -68,27 +83,46 @@ def meta_twin(module: nn.Module) -> nn.Module:
     return copy.deepcopy(module, memo)
 
 
-def _meta_twin_or_none(block: nn.Module) -> nn.Module | None:
+def _weightless_twin_or_none(block: nn.Module) -> nn.Module | None:
+    """A meta copy of ``block`` whose weights and buffers are plain attributes, not registered: readable as the
+    block's are (``q_proj.weight.dtype``), yet nothing in the module's parameters, buffers or state dict. None for a
+    block that cannot be copied (it holds a lock, say): its attributes are not readable then."""
     try:
-        return meta_twin(block)
-    except Exception:  # a block that cannot be copied (it holds a lock, say): its attributes are not readable
+        twin = meta_twin(block)
+    except Exception:
         return None
+    for module in twin.modules():
+        _compat.unregister_tensors(module)
+    return twin
 
 
 class _StandIn(nn.Module):
     """Takes the place of a block held by another stage: no weights, no compute. Reading an attribute reads it from
     ``twin``, because a model's loop may inspect its blocks: PyTorch's ``nn.TransformerEncoder`` reads
     ``layers[0].self_attn.batch_first`` and the first layer's weights to choose its fast path, Hugging Face decoders a
-    layer's ``attention_type``. The twin is the block itself where this rank holds it, else a meta-device copy (its
-    submodules and settings, its weights as meta tensors); ``None`` for a block that cannot be copied."""
+    layer's ``attention_type``. The twin is the block itself where this rank holds it, else a weightless meta-device
+    copy (its submodules and settings, its weights as unregistered meta tensors); ``None`` for a block that cannot be
+    copied. The twin's submodules are the stand-in's own, so that a model installing hooks on its blocks' submodules
+    installs them here too (see :mod:`lightning_pp.model.sides`); for the same reason ``isinstance`` sees the
+    block's class, and the stand-in of a block this rank holds shares that block's hooks."""
 
     def __init__(self, block: nn.Module, index: int, owner: int, view: StageView, twin: nn.Module | None) -> None:
         super().__init__()
+        self.__dict__["_pipeline"] = (view, index, owner, type(block).__name__, None)
+        self.__dict__["_block_class"] = type(block)
+        for name, child in twin.named_children() if twin is not None else []:
+            self.add_module(name, child)
+        if twin is block:
+            _compat.share_forward_hooks(block, self)
         self.__dict__["_pipeline"] = (view, index, owner, type(block).__name__, twin)
+
+    @property  # type: ignore[misc]
+    def __class__(self) -> type:  # what `isinstance` checks after the type: the block's class
+        return self.__dict__["_block_class"]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         view, index, owner, _, _ = self.__dict__["_pipeline"]
-        return view.stand_in_output(index, owner)
+        return view.stand_in_output(index, owner, self)
 
     def __getattr__(self, name: str) -> Any:
         try:
@@ -140,6 +174,10 @@ class StageView:
         self.pass_context: Callable[[], AbstractContextManager[Any]] = nullcontext
         self._received: Any = None  # what the previous stage sent (micro-batch) or the joined output (finish)
         self._handed: Any = None  # the received structure as handed to the blocks (cloned once per micro-batch)
+        self.sides = SideOutputs()  # the outputs that hooks inside this stage's blocks record
+        self._received_sides: Sides = []  # what the blocks of earlier stages recorded, as received
+        self._sides_of: dict[int, Sides] = {}  # those records by block, until its stand-in replays them
+        self._boundary_output: Any = None  # the received activation: the output of the block before this stage's
         self.keys = _compat.child_names(container)
         owner = {i: s for s, blocks in enumerate(ranges) for i in blocks}
         self._local_blocks: dict[str, nn.Module] = {}
@@ -150,11 +188,11 @@ class StageView:
                 self._local_blocks[key] = block
                 self._stand_ins[key] = _StandIn(block, i, owner[i], self, twin=block)
             else:
-                container.register_module(key, _StandIn(block, i, owner[i], self, twin=_meta_twin_or_none(block)))
+                container.register_module(key, _StandIn(block, i, owner[i], self, twin=_weightless_twin_or_none(block)))
         for stage in self.stages:
             first, last = self._block(ranges[stage][0]), self._block(ranges[stage][-1])
-            first.register_forward_pre_hook(functools.partial(self._before_first_block, stage))
-            last.register_forward_hook(functools.partial(self._after_last_block, stage))
+            first.register_forward_pre_hook(ours(functools.partial(self._before_first_block, stage)))
+            last.register_forward_hook(ours(functools.partial(self._after_last_block, stage)))
 
     @property
     def local(self) -> range:
@@ -180,10 +218,10 @@ class StageView:
     def local_blocks(self) -> list[nn.Module]:
         return list(self._local_blocks.values())
 
-    def stand_in_output(self, index: int, owner: int) -> Any:
+    def stand_in_output(self, index: int, owner: int, stand_in: nn.Module) -> Any:
         """What the stand-in of block ``index`` returns: the received activation where it is that block's output
         (the block just before this stage's own, or in the finish the container's last), else marked
-        (:class:`RemoteBlockOutput`)."""
+        (:class:`RemoteBlockOutput`). First, the hooks inside it get what the block's submodules recorded."""
         if self.mode is Mode.OFF:
             raise PipelineConfigError(
                 f"Block {index} of `{self.container_name}` is held by pipeline stage {owner} (this is stage "
@@ -198,15 +236,18 @@ class StageView:
                 f"Block {index} of `{self.container_name}` (held by stage {owner}) was called on stage {self.stage} "
                 f"after this stage's own blocks; the step must run the blocks once, in order."
             )
+        recorded = SideOutputs.replay(stand_in, self._sides_of.pop(index, []))
         if self._handed is None:
             # a fresh tensor, not the received leaf itself: the first block may work in place (ReLU(inplace=True))
-            self._handed = map_tensors(self._received, lambda t: t.clone() if t.requires_grad else t)
-        genuine = index == (len(self.keys) - 1 if self.mode is Mode.FINISH else self.local.start - 1)
-        return self._handed if genuine else map_tensors(self._handed, marked_remote)
+            self._handed = _fresh(self._received)
+        if index == (len(self.keys) - 1 if self.mode is Mode.FINISH else self.local.start - 1):
+            return self._handed
+        return _fresh(recorded) if recorded is not None else map_tensors(self._handed, marked_remote)
 
     def _before_first_block(self, stage: int, module: nn.Module, args: Any) -> None:
         if self.mode is Mode.MICROBATCH and stage == self.stage:
             self._received = None  # stand-ins after this point mean the step runs the blocks out of order
+            self.sides.start((i, self._block(i)) for i in self.ranges[stage])
             if self.on_blocks_start is not None:
                 self.on_blocks_start()
 
@@ -220,7 +261,17 @@ class StageView:
                 f"blocks once per micro-batch (one pass through `{self.container_name}`)."
             )
         if self.stop_after_blocks:
-            raise StageOutput(output)
+            raise StageOutput(output, self._carried_sides())
+
+    def _carried_sides(self) -> Sides:
+        """The records that go on with this stage's output: the earlier stages', the received activation as the
+        record of the block it is the output of (where that block's output is recorded), and this stage's own, but
+        for its last block's output, which travels anyway."""
+        carried = [[i, path, _fresh(value)] for i, path, value in self._received_sides]
+        boundary = self.local.start - 1
+        if boundary >= 0 and self.sides.records_output(getattr(self.container, self.keys[boundary])):
+            carried.append([boundary, "", _fresh(self._boundary_output)])
+        return carried + [record for record in self.sides.stop() if record[:2] != [self.local[-1], ""]]
 
     @contextmanager
     def microbatch(self, stage: int, received: Any, stop_after_blocks: bool) -> Iterator[None]:
@@ -228,6 +279,9 @@ class StageView:
         others = [key for other in self.stages if other != stage for key in (self.keys[i] for i in self.ranges[other])]
         self._swap(others, to_stand_ins=True)
         self.stage = stage
+        received, self._received_sides = split_sides(received)
+        self._boundary_output = received
+        self._sides_of = _by_block(self._received_sides)
         self.mode, self._received, self._handed = Mode.MICROBATCH, received, None
         self.stop_after_blocks, self.last_block_calls = stop_after_blocks, 0
         try:
@@ -235,17 +289,22 @@ class StageView:
                 yield
         finally:
             self.mode, self._received, self._handed = Mode.OFF, None, None
+            self._received_sides, self._sides_of, self._boundary_output = [], {}, None
+            self.sides.stop()
             self._swap(others, to_stand_ins=False)
 
     @contextmanager
-    def finishing(self, joined: Any) -> Iterator[None]:
-        """Run the user's step once on the whole batch: every block, this rank's too, returns ``joined``."""
+    def finishing(self, joined: Any, sides: Sides) -> Iterator[None]:
+        """Run the user's step once on the whole batch: every block, this rank's too, returns ``joined``, and the
+        hooks inside the blocks get ``sides``, every block's records joined over the micro-batches."""
         self._swap(list(self._local_blocks), to_stand_ins=True)
         self.mode, self._received, self._handed = Mode.FINISH, joined, joined
+        self._sides_of = _by_block(sides)
         try:
             yield
         finally:
             self.mode, self._received, self._handed = Mode.OFF, None, None
+            self._sides_of = {}
             self._swap(list(self._local_blocks), to_stand_ins=False)
 
     def _swap(self, keys: list[str], to_stand_ins: bool) -> None:

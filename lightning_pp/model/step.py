@@ -28,6 +28,7 @@ from lightning_pp.actions import Schedule
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.microbatch import batch_size, merge_microbatches, split_batch
 from lightning_pp.model.results import ResultExchange
+from lightning_pp.model.sides import Sides, joined_sides, with_sides
 from lightning_pp.model.stage import StageOutput, StageView
 from lightning_pp.p2p import StageP2P
 from lightning_pp.runtime import run_stage, step_clock
@@ -229,6 +230,7 @@ class _Step:
         self.losses: dict[int, Tensor] = {}  # training: the last stage's micro-batch losses
         self.extras: dict[int, dict[str, Any]] = {}  # training: the other entries of a dict training_step returned
         self.block_outputs: dict[int, Any] = {}  # evaluation on the last stage: what the blocks gave per micro-batch
+        self.block_sides: dict[int, Sides] = {}  # ... and what hooks inside every stage's blocks recorded
 
     def forward(self, stage: int, mb: int, received: Any) -> Any:
         """Micro-batch ``mb`` through the user's step as ``stage`` (the runtime's forward): what the blocks send on,
@@ -243,8 +245,8 @@ class _Step:
                 output = self.user_step(self.microbatches[mb], *self.rest, **self.kwargs)
             except StageOutput as end:
                 if not last_pass:
-                    return end.output
-                self.block_outputs[mb] = end.output
+                    return with_sides(end.output, end.sides)
+                self.block_outputs[mb], self.block_sides[mb] = end.output, end.sides
                 return _NOTHING
         if stop_after_blocks or view.last_block_calls == 0:
             raise PipelineConfigError(
@@ -284,8 +286,11 @@ class _Step:
         """The last stage's evaluation result: the user's step run once on the whole batch with the blocks' joined
         outputs (so every logged value and prediction is one device's), and its log records."""
         driver = self.driver
-        joined = merge_microbatches([self.block_outputs[mb] for mb in range(len(self.microbatches))], self.sizes)
-        with driver.view.finishing(joined), driver.randomness.pass_(-1), driver.recorder.recording(driver.module, 0):
+        order = range(len(self.microbatches))
+        joined = merge_microbatches([self.block_outputs[mb] for mb in order], self.sizes)
+        sides = joined_sides([self.block_sides[mb] for mb in order], self.sizes) if self.block_sides[0] else []
+        recording = driver.recorder.recording(driver.module, 0)
+        with driver.view.finishing(joined, sides), driver.randomness.pass_(-1), recording:
             result = self.user_step(self.batch, *self.rest, **self.kwargs)
         refuse_remote(result, f"What {self.name} returned")
         return result, driver.recorder.combine([self.total])

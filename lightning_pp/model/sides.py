@@ -1,0 +1,143 @@
+"""Side outputs: what a model records from its blocks with forward hooks on them or on their submodules (Hugging
+Face's router logits of a mixture of experts, its hidden states and attentions; a user's own hooks), carried from the
+stage that ran the block to the stages after it, where that block is a stand-in, and handed there to the same hooks,
+so the code after the blocks sees what one device sees. The values travel with the activation, so gradients flow back
+to the stage that computed them.
+
+The model's own code installs its hooks: on the real block and its submodules where a stage holds the block, on the
+stand-in and its weightless copies of the submodules elsewhere (see :mod:`lightning_pp.model.stage`). On the stage
+that runs a block, the output of the block and of each submodule that has hooks (not ours) is recorded, in call
+order; the records travel on with the activation, through every later stage. When the model's loop calls the
+stand-in of that block, the stand-in hands each submodule's record to the hooks of its copy of that submodule, in the
+same order, and returns the block's own record, which its own hooks then see as they would the block's output. In
+evaluation the last stage runs the step once on the whole batch: each record is joined over the micro-batches first
+(its tensors' first dimension must follow the micro-batch's samples, as a router's per-token logits do).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import nn
+
+from lightning_pp import _compat
+from lightning_pp.errors import PipelineConfigError
+from lightning_pp.microbatch import merge_microbatches
+
+__all__ = ["SideOutputs", "Sides", "joined_sides", "ours", "split_sides", "with_sides"]
+
+# one record: [block index, the submodule's path inside the block ("": the block), its output]
+Sides = list[list[Any]]
+_OUTPUT, _SIDES = "lightning_pp.output", "lightning_pp.sides"
+
+
+def ours(hook: Callable[..., Any]) -> Callable[..., Any]:
+    """Mark ``hook`` as lightning_pp's own: it is neither recorded for nor replayed on other stages."""
+    hook.__dict__["lightning_pp"] = True
+    return hook
+
+
+def is_ours(hook: Any) -> bool:
+    return bool(getattr(hook, "__dict__", {}).get("lightning_pp"))
+
+
+def _foreign_hooks(module: nn.Module) -> list[tuple[Callable[..., Any], bool]]:
+    """The module's forward hooks that are not ours, each with whether it takes the call's kwargs."""
+    return [(hook, with_kwargs) for hook, with_kwargs in _compat.forward_hooks(module) if not is_ours(hook)]
+
+
+def with_sides(output: Any, sides: Sides) -> Any:
+    """What a stage sends on: its last block's output, with the records when there are any."""
+    return {_OUTPUT: output, _SIDES: sides} if sides else output
+
+
+def split_sides(received: Any) -> tuple[Any, Sides]:
+    """The inverse of :func:`with_sides`."""
+    if isinstance(received, dict) and _SIDES in received:
+        return received[_OUTPUT], list(received[_SIDES])
+    return received, []
+
+
+def joined_sides(per_microbatch: list[Sides], sizes: list[int]) -> Sides:
+    """The records of every micro-batch joined into those of the whole batch (evaluation on the last stage)."""
+    first = per_microbatch[0]
+    if any([r[:2] for r in sides] != [r[:2] for r in first] for sides in per_microbatch):
+        raise PipelineConfigError(
+            "The hooks inside the blocks recorded different modules for different micro-batches; their records cannot "
+            "be joined into the whole batch's for evaluation. Record the same modules for every input.")
+    return [[index, path, _joined([sides[k][2] for sides in per_microbatch], sizes, index, path)]
+            for k, (index, path, _) in enumerate(first)]
+
+
+def _joined(values: list[Any], sizes: list[int], index: int, path: str) -> Any:
+    first = values[0]
+    if isinstance(first, torch.Tensor):
+        counts = [v.shape[0] if v.dim() else 0 for v in values]
+        if counts[0] and all(count * sizes[0] == counts[0] * size for count, size in zip(counts, sizes, strict=True)):
+            return torch.cat(values)
+        raise PipelineConfigError(
+            f"A hook inside block {index} records the output of `{path}` (shape {list(first.shape)}), whose first "
+            f"dimension does not follow the micro-batch's samples ({sizes}); its records cannot be joined into the "
+            f"whole batch's for evaluation. Record a per-sample or per-token value.")
+    if isinstance(first, (tuple, list)):
+        return type(first)(_joined(list(items), sizes, index, path) for items in zip(*values, strict=True))
+    return merge_microbatches(values, sizes)
+
+
+class SideOutputs:
+    """Records the outputs of hooked submodules of the blocks a stage runs, and replays records on stand-ins."""
+
+    def __init__(self) -> None:
+        self.recorded: Sides = []
+        self.every_block = False  # record every block's output, hooked or not (``carry_block_outputs``)
+        self._recording: set[int] = set()  # the blocks whose submodules' outputs are recorded now
+        self._watched: set[int] = set()  # ids of the submodules that carry our recording hook
+
+    def start(self, blocks: Iterable[tuple[int, nn.Module]]) -> None:
+        """Record, from now on, the outputs of the hooked submodules of ``blocks`` (index, block)."""
+        self.recorded = []
+        self._recording = set()
+        for index, block in blocks:
+            self._recording.add(index)
+            for path, module in block.named_modules():
+                wanted = self.records_output(module) if not path else bool(_foreign_hooks(module))
+                if wanted and id(module) not in self._watched:
+                    self._watched.add(id(module))
+                    module.register_forward_hook(ours(self._recorder(index, path)), prepend=True)
+
+    def records_output(self, block: nn.Module) -> bool:
+        """Whether the output of ``block`` (or its stand-in) is recorded where it runs."""
+        return self.every_block or bool(_foreign_hooks(block))
+
+    def stop(self) -> Sides:
+        recorded, self.recorded, self._recording = self.recorded, [], set()
+        return recorded
+
+    def _recorder(self, index: int, path: str) -> Callable[..., None]:
+        def record(module: nn.Module, args: Any, output: Any) -> None:
+            if index in self._recording:
+                self.recorded.append([index, path, output])
+        return record
+
+    @staticmethod
+    def replay(stand_in: nn.Module, records: Sides) -> Any:
+        """Hand each record of the block ``stand_in`` stands for to the hooks of its copy of the recorded submodule;
+        return the block's own recorded output (None: not recorded)."""
+        block_output = None
+        for _, path, output in records:
+            if not path:
+                block_output = output
+                continue
+            try:
+                module = stand_in.get_submodule(path)
+            except AttributeError as error:
+                raise PipelineConfigError(
+                    f"A hook inside a block recorded the output of `{path}`, which the stand-in of that block on this "
+                    f"stage does not have (the block could not be copied). Keep such hooks off the blocks' "
+                    f"submodules.") from error
+            for hook, with_kwargs in _foreign_hooks(module):
+                result = hook(module, (), {}, output) if with_kwargs else hook(module, (), output)
+                output = output if result is None else result
+        return block_output
