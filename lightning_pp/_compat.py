@@ -173,6 +173,18 @@ def share_forward_hooks(source: torch.nn.Module, target: torch.nn.Module) -> Non
         target.__dict__[name] = source.__dict__[name]
 
 
+def summary_depth(callback: Any) -> int:
+    """The ``max_depth`` a Lightning ``ModelSummary`` callback summarizes to."""
+    return int(callback._max_depth)
+
+
+def replace_summary(callback: Any, summary: Callable[[Any, Any], Any]) -> Callable[[], None]:
+    """Make a Lightning ``ModelSummary`` callback build its summary with ``summary(callback, module)``; returns the
+    undo."""
+    callback._summary = lambda trainer, module: summary(callback, module)
+    return lambda: callback.__dict__.pop("_summary", None)
+
+
 def unregister_tensors(module: torch.nn.Module) -> None:
     """Make the module's own parameters and buffers plain attributes: still readable by name, no longer part of its
     parameters, buffers or state dict."""
@@ -200,8 +212,10 @@ __all__ = [
     "mark_metric_updated",
     "metric_forward_value",
     "replace_metric_sync",
+    "replace_summary",
     "share_forward_hooks",
     "split_backward_applies",
+    "summary_depth",
     "sync_metric_states",
     "tensor_version",
     "train_data_source",

@@ -15,8 +15,9 @@ data-parallel replicas, and the other stages' states are empty.
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
-from contextlib import contextmanager
+import re
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager
 from dataclasses import dataclass
 from typing import Any
 
@@ -24,6 +25,7 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.utilities import move_data_to_device
+from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torchmetrics import Metric
 
 from lightning_pp import _compat
@@ -32,6 +34,7 @@ from lightning_pp.errors import PipelineConfigError
 from lightning_pp.topology import StageGroups
 
 _LOG_SIGNATURE = inspect.signature(pl.LightningModule.log)
+_TOTAL_NORM = re.compile(r"^grad_(.+)_norm_total$")  # Lightning's grad_norm total, e.g. grad_2.0_norm_total
 _REDUCTIONS = {"mean": "mean", "avg": "mean", "sum": "sum", "max": "max", "min": "min",
                torch.mean: "mean", torch.sum: "sum", torch.max: "max", torch.min: "min"}  # fmt: skip
 
@@ -213,13 +216,12 @@ class LogRecorder:
             value = value.detach() if isinstance(value, torch.Tensor) else torch.tensor(value, device="cpu")
             self._calls.append((microbatch, name, value, options))
 
-        module.log = log  # type: ignore[method-assign]
-        try:
-            yield
-        finally:
-            del module.log
-            for hook in hooks:
-                hook.remove()
+        with _logging_through(module, log):
+            try:
+                yield
+            finally:
+                for hook in hooks:
+                    hook.remove()
 
     def combine(self, microbatch_sizes: list[float]) -> list[LogRecord]:
         """One record per key: micro-batch values reduced with the key's ``reduce_fx`` (means weighted by
@@ -259,6 +261,99 @@ class LogRecorder:
         return records
 
 
+@contextmanager
+def _logging_through(module: pl.LightningModule, log: Any) -> Iterator[None]:
+    """``module.log`` is ``log`` within the block; what it was before (another recording's) afterwards."""
+    previous = module.__dict__.get("log")
+    module.log = log  # type: ignore[method-assign]
+    try:
+        yield
+    finally:
+        if previous is None:
+            del module.log
+        else:
+            module.log = previous  # type: ignore[method-assign]
+
+
+class HookLogs:
+    """``self.log`` calls in the hooks around an optimizer step (``on_after_backward``, ``on_before_optimizer_step``,
+    of the module and of callbacks), combined over the pipeline's stages so that every rank logs what one device logs.
+
+    Each stage computes such values from its own parameters: Lightning's ``grad_norm`` gives each stage its own
+    parameters' norms and a partial total. The calls are recorded, gathered over the pipeline when the step ends, and
+    replayed on every stage: a key logged by one stage takes that stage's value (a parameter's norm); a key several
+    stages log alike stays; ``grad_{p}_norm_total`` becomes the p-norm of every parameter's ``grad_{p}_norm...`` entry
+    (each parameter once, as one device counts it). A key the stages log differently otherwise (a norm computed by
+    hand over ``self.parameters()``) takes the last stage's value, with a warning naming it: only the user's code knows
+    how such values combine.
+    """
+
+    def __init__(self, group: Any) -> None:
+        self.group = group  # the pipeline's group
+        self._active = False
+        self._warned: set[str] = set()
+
+    @contextmanager
+    def combining(self, module: pl.LightningModule,
+                  collective: Callable[[str], AbstractContextManager[None]]) -> Iterator[None]:
+        """Record ``module.log`` within the block (nested blocks record into the outer one); on leaving it without an
+        error, every stage of the pipeline combines and logs the records."""
+        if self._active:
+            yield
+            return
+        calls: list[tuple[str, float, dict[str, Any]]] = []
+
+        def log(*args: Any, **kwargs: Any) -> None:
+            bound = _LOG_SIGNATURE.bind(module, *args, **kwargs)
+            bound.apply_defaults()
+            options = dict(bound.arguments)
+            options.pop("self")
+            name, value = options.pop("name"), options.pop("value")
+            if isinstance(value, Metric):  # a metric's state is the pipeline's already (see _StateFromLastStage)
+                pl.LightningModule.log(module, name, value, **options)
+            else:
+                calls.append((name, float(value), options))
+
+        self._active = True
+        try:
+            with _logging_through(module, log):
+                yield
+        finally:
+            self._active = False
+        gathered: list[Any] = [None] * dist.get_world_size(self.group)
+        with collective("combining what the hooks around the optimizer step logged"):
+            dist.all_gather_object(gathered, calls, group=self.group)
+        for name, value, options in self._combined(gathered):
+            pl.LightningModule.log(module, name, torch.tensor(value, dtype=torch.get_default_dtype(),
+                                                              device=module.device), **options)
+
+    def _combined(self, per_stage: list[list[tuple[str, float, dict[str, Any]]]]
+                  ) -> list[tuple[str, float, dict[str, Any]]]:
+        values: dict[str, list[float]] = {}
+        options: dict[str, dict[str, Any]] = {}
+        for calls in per_stage:
+            for name, value, call_options in calls:
+                values.setdefault(name, []).append(value)
+                options.setdefault(name, call_options)
+        combined = []
+        for name, logged in values.items():
+            total = _TOTAL_NORM.match(name)
+            if total is not None:
+                parts = [v[0] for key, v in values.items() if key.startswith(f"grad_{total[1]}_norm") and key != name]
+                value = float(torch.tensor(parts, dtype=torch.float64, device="cpu").norm(float(total[1])))
+            else:
+                value = logged[-1]
+                if len(set(logged)) > 1 and name not in self._warned:
+                    self._warned.add(name)
+                    rank_zero_warn(
+                        f"{name!r} was logged with different values on the pipeline's stages ({logged}) in a hook "
+                        f"around the optimizer step; each stage holds only its own parameters, so a value computed "
+                        f"over self.parameters() covers one stage. The last stage's value is logged. Lightning's "
+                        f"grad_norm is combined exactly.")
+            combined.append((name, value, options[name]))
+        return combined
+
+
 def stacked(values: list[Any]) -> torch.Tensor:
     """Logged scalars (on the device they were computed on, or the host) as one float64 tensor on the first's device."""
     device = values[0].device
@@ -284,6 +379,7 @@ def replay(module: pl.LightningModule, records: list[LogRecord], updated_here: b
             forward_value = (torch.tensor(value.forward_value, device=module.device)
                              if value.forward_value is not None else None)
             _compat.mark_metric_updated(metric, counted=not updated_here, forward_value=forward_value)
-            module.log(name, metric, **options)
+            pl.LightningModule.log(module, name, metric, **options)
         else:
-            module.log(name, torch.tensor(value, dtype=torch.get_default_dtype(), device=module.device), **options)
+            pl.LightningModule.log(module, name, torch.tensor(value, dtype=torch.get_default_dtype(),
+                                                              device=module.device), **options)

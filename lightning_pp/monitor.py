@@ -22,9 +22,8 @@ from typing_extensions import override
 from lightning_pp._memory import AllocatorPeakMeter, SavedTensorMeter, stage_parameter_bytes, step_memory_meter
 from lightning_pp.actions import Action, Schedule
 from lightning_pp.errors import PipelineConfigError
-from lightning_pp.model.stage import StageView
 from lightning_pp.simulate import simulate
-from lightning_pp.telemetry import PipelineTelemetry
+from lightning_pp.telemetry import PipelineTelemetry, StagesOfRank
 from lightning_pp.timeline import (
     BACKWARD,
     BACKWARD_INPUT,
@@ -312,7 +311,7 @@ def clock_offsets(readings: list[tuple[str, float]]) -> list[float]:
     return [0.0 if host == host_zero else clock - clock_zero for host, clock in readings]
 
 
-def _stage_view(telemetry: PipelineTelemetry) -> StageView:
+def _stage_view(telemetry: PipelineTelemetry) -> StagesOfRank:
     """The rank's view of the block container: its stages, their blocks, and the stage the current pass runs."""
     assert telemetry.view is not None  # set up before training starts
     return telemetry.view

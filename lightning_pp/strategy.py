@@ -35,7 +35,6 @@ from lightning_pp.model.assembly import (
     assemble_stage,
     balance_for,
     refuse_manual_optimization,
-    set_aside_example_input,
     setup_optimizers_everywhere,
 )
 from lightning_pp.model.session import StageSession
@@ -102,7 +101,6 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend  # chosen from the device in setup_environment if None
         self._num_nodes = 1
         self._session: StageSession | None = None  # this rank's stage during a Trainer run, from setup to teardown
-        self._hidden_example_input: Any = None  # example_input_array while fit starts (see set_aside_example_input)
         # a gloo group over the world for object collectives where the default group is not gloo (None: the default)
         self.object_group: Any = None
         self._accumulating = False  # inside Lightning's block_backward_sync: gradients not synchronized yet
@@ -215,8 +213,6 @@ class PipelineParallelStrategy(ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting:
             refuse_manual_optimization(module)
-        if fitting and self.num_stages > 1:
-            self._hidden_example_input = set_aside_example_input(module, self.global_rank)
         assert self._schedules is not None  # set up with the world
         schedule = self._schedules(self.microbatches, False)  # raises for a count it cannot run
         assembly = assemble_stage(
@@ -236,7 +232,7 @@ class PipelineParallelStrategy(ParallelStrategy):
             _compat._optimizers_to_device(self.optimizers, self.root_device)
         self._session = StageSession(module, assembly, self._schedules, self.layout, self.global_rank,
                                      self.root_device, self.options, self.microbatches, self.telemetry,
-                                     lambda: self.object_group, self._new_group)
+                                     lambda: self.object_group, self._new_group, fitting=fitting)
 
     def _convert_and_move(self) -> None:
         assert self.model is not None
@@ -322,13 +318,9 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     @override
     def on_train_start(self) -> None:
-        self._restore_example_input()
+        if self._session is not None:
+            self._session.restore_example_input()
         self._decide_outputs("training_step")
-
-    def _restore_example_input(self) -> None:
-        if self._hidden_example_input is not None and self.lightning_module is not None:
-            self.lightning_module.example_input_array = self._hidden_example_input
-            self._hidden_example_input = None
 
     @override
     def on_validation_start(self) -> None:
@@ -378,9 +370,16 @@ class PipelineParallelStrategy(ParallelStrategy):
         self.pre_backward(closure_loss)
         closure_loss = self.precision_plugin.pre_backward(closure_loss, module)
         self._session.hand_over_grads(not self._accumulating, self.optimizers, self._collective)
-        closure_loss = self.precision_plugin.post_backward(closure_loss, module)
+        with self._session.hook_logs(self._collective):  # on_after_backward
+            closure_loss = self.precision_plugin.post_backward(closure_loss, module)
         self.post_backward(closure_loss)
         return closure_loss
+
+    @override
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        assert self._session is not None
+        with self._session.hook_logs(self._collective):  # on_before_optimizer_step (and the closure's backward)
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
 
     # ------------------------------------------------------------------------------------------------ checkpoints
 
@@ -433,7 +432,6 @@ class PipelineParallelStrategy(ParallelStrategy):
         if self._failures is not None:
             self._failures.stop()
             self._failures = None
-        self._restore_example_input()
         super().teardown()
 
 

@@ -9,13 +9,21 @@ from __future__ import annotations
 
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Protocol
 
 import torch
 
 from lightning_pp.actions import Schedule
-from lightning_pp.model.stage import StageView
 from lightning_pp.timeline import TimelineEvent
+
+
+class StagesOfRank(Protocol):
+    """What a monitor reads of the rank's stages (the model adapter's ``StageView`` is one)."""
+
+    stage: int  # the stage the current (or next) pass runs
+    stages: tuple[int, ...]  # the rank's stages
+
+    def blocks_of(self, stage: int) -> list[torch.nn.Module]: ...
 
 __all__ = ["PipelineTelemetry"]
 
@@ -28,7 +36,7 @@ class PipelineTelemetry:
     stage: int = 0  # this rank's place in its pipeline
     replica: int = 0  # which data-parallel copy of the pipeline this rank belongs to
     object_group: Any = None  # the group for object collectives (None: the default group)
-    view: StageView | None = None  # the rank's stages and their blocks; which stage a pass runs
+    view: StagesOfRank | None = None  # the rank's stages and their blocks; which stage a pass runs
     # set by the monitor: receives the next training step's timed events and its sample count (None: not timed)
     timing_sink: Callable[[list[TimelineEvent], int], None] | None = None
     last_schedule: Schedule | None = None  # the latest training step's schedule (set after each step)

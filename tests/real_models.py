@@ -17,6 +17,7 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint
+from lightning.pytorch.utilities import grad_norm
 from models import MODELS, AppliedGradientRecorder, RecordingLogger
 from torch import nn
 from torch.nn import functional as F
@@ -661,6 +662,22 @@ class HFViT(L.LightningModule):
         return image_batches()
 
 
+# ----------------------------------------------------------- 10a. gradient norms logged before the optimizer step
+class GradNormGPT2(HFGPT2):
+    """GPT-2 logging Lightning's ``grad_norm`` (every parameter's and the total) in ``on_before_optimizer_step``."""
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.log_dict(grad_norm(self, norm_type=2))
+
+
+class GradNormNanoGPT(NanoGPT):
+    """nanoGPT (our own loop) logging ``grad_norm`` with the infinity norm too."""
+
+    def on_before_optimizer_step(self, optimizer: Any) -> None:
+        self.log_dict(grad_norm(self, norm_type=2))
+        self.log_dict(grad_norm(self, norm_type="inf"))
+
+
 # ----------------------------------------------------------- 10b. a mixture of experts with its router loss
 class HFMixtral(L.LightningModule):
     """``MixtralForCausalLM`` from a small config, unmodified, with ``output_router_logits=True``: transformers records
@@ -904,6 +921,8 @@ SPECS: dict[str, Spec] = {
     "alternating": Spec(AlternatingLM),
     "compiled": Spec(CompiledNanoGPT),
     "hf_gpt2_hidden_states": Spec(HiddenStatesGPT2),
+    "hf_gpt2_grad_norm": Spec(GradNormGPT2),
+    "nanogpt_grad_norm": Spec(GradNormNanoGPT),
     "unet": Spec(UNetAutoencoder, max_steps=-1, max_epochs=2, validate=True, monitor="val_loss"),
     "hf_mixtral": Spec(HFMixtral, max_steps=-1, max_epochs=2, validate=True),
     "hf_mixtral_quarters": Spec(lambda: HFMixtral(chunks=4), max_steps=-1, max_epochs=2, validate=True),

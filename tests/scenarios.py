@@ -360,3 +360,11 @@ def result_exchange(steps: int) -> list[dict[str, Any]]:
         results.dist.broadcast_object_list = broadcast_object_list  # type: ignore[attr-defined]
         dist.destroy_process_group()
     return arrived
+
+
+def model_summary(model: str) -> tuple[list[dict[str, Any]], list[str]]:
+    """Fit ``model`` for a step with Lightning's model summary on; what it printed on this rank (global rank 0)."""
+    from support import summarized
+
+    return summarized(lambda **kwargs: fit(model, PipelineParallelStrategy(schedule="1f1b"), devices=WORLD_SIZE,
+                                           max_steps=1, enable_model_summary=True, **kwargs))

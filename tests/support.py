@@ -440,3 +440,38 @@ def assert_all_ended(pids: list[int]) -> None:
         time.sleep(0.05)
     still = [pid for pid in pids if process_alive(pid)]
     assert not still, f"still running: {still}"
+
+
+def summarized(fit: Callable[..., Any]) -> tuple[list[dict[str, Any]], list[str]]:
+    """What Lightning's model summary callback was given to print while ``fit(callbacks=...)`` ran (on global rank 0:
+    each layer's row, the totals, the size), and what lightning_pp logged."""
+    import logging
+
+    from lightning.pytorch.callbacks import ModelSummary
+
+    summaries: list[dict[str, Any]] = []
+
+    class Recorded(ModelSummary):
+        @staticmethod
+        def summarize(summary_data: list[tuple[str, list[str]]], total_parameters: int, trainable_parameters: int,
+                      model_size: float, total_training_modes: dict[str, int], total_flops: int,
+                      **summarize_kwargs: Any) -> None:
+            summaries.append({"rows": dict(summary_data), "total": total_parameters,
+                              "trainable": trainable_parameters, "size": model_size})
+
+    messages: list[str] = []
+
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            messages.append(record.getMessage())
+
+    logger, handler = logging.getLogger("lightning_pp"), Keep(level=logging.INFO)
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)
+    try:
+        fit(callbacks=[Recorded()])
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return summaries, messages

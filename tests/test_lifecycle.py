@@ -8,7 +8,7 @@ import models
 import pytest
 import torch
 from _launch import launch
-from support import ATOL, RTOL, assemble, assert_matches, assert_same_metrics, check_lifecycle, prefixed
+from support import ATOL, RTOL, assemble, assert_matches, assert_same_metrics, check_lifecycle, prefixed, summarized
 
 pytestmark = pytest.mark.multiprocess
 
@@ -78,3 +78,16 @@ def test_weights_held_by_every_stage_start_from_rank_zero() -> None:
     full, _ = assemble(ranks, 0)
     assert {"inp.weight", "head.weight"} <= set(ranks[0].results[0]["state"]) & set(ranks[1].results[0]["state"])
     assert "layers.0.weight" in full and "layers.6.weight" in full
+
+
+@pytest.mark.timeout(200)
+def test_model_summary_counts_the_whole_model() -> None:
+    """The summary Lightning prints when fit starts: every layer's parameters, the totals and the size are the whole
+    model's (a tied embedding and head counted once), as on one device; a line gives each stage's own count."""
+    want, _ = summarized(lambda **kwargs: models.fit("tied", max_steps=1, enable_model_summary=True, **kwargs))
+    ranks = launch(2, [{"scenario": "model_summary", "kwargs": {"model": "tied"}}], timeout=150)
+    got, messages = ranks[0].results[0]
+    assert len(want) == 1 and got == want, (got, want)
+    assert ranks[1].results[0][0] == [], "the summary is printed on global rank 0 only"
+    per_stage = [message for message in messages if message.startswith("lightning_pp: parameters per stage")]
+    assert len(per_stage) == 1 and "stage 0: " in per_stage[0] and "stage 1: " in per_stage[0], messages

@@ -34,7 +34,8 @@ from support import (
     validated_and_predicted,
 )
 
-ADAMW_MODELS = {"hf_gpt2", "hf_gpt2_dropout", "hf_gpt2_padded", "nanogpt", "sliced", "compiled"}
+ADAMW_MODELS = {"hf_gpt2", "hf_gpt2_grad_norm", "nanogpt_grad_norm", "hf_gpt2_dropout", "hf_gpt2_padded", "nanogpt",
+                "sliced", "compiled"}
 
 
 def matches(model: str, params: bool | None = None) -> Callable[[list[Result], str], None]:
@@ -315,3 +316,30 @@ def test_unet_skips_across_stages_with_either_container() -> None:
             for blocks, schedule in (("net.downs", "1f1b"), ("net.downs", "interleaved_1f1b"), ("net.ups", "1f1b"),
                                      ("net.ups", "zb_h1"))]
     check_all(2, runs, [check] * len(runs), timeout=240)
+
+
+def grad_norms_logged(model: str) -> Callable[[list[Result], str], None]:
+    """Training as on one device, and every gradient norm ``grad_norm`` logged in ``on_before_optimizer_step``: each
+    parameter's and the totals (over every stage's parameters, each counted once)."""
+    def check(results: list[Result], label: str) -> None:
+        matches(model)(results, label)
+        want = real_model_reference(model)
+        keys = sorted({key for _, metrics in want["history"] for key in metrics if key.startswith("grad_")})
+        got_keys = sorted({key for _, metrics in results[0]["history"] for key in metrics if key.startswith("grad_")})
+        assert got_keys == keys, (got_keys, keys)
+        for key in keys:
+            check_logged(results[0]["history"], want["history"], key, rel_tol=METRIC_RTOL)
+
+    return check
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_gradient_norms_logged_before_the_optimizer_step() -> None:
+    """Lightning's ``grad_norm`` in ``on_before_optimizer_step`` of GPT-2 and of our own nanoGPT: every logged norm is
+    one device's (before, each stage logged its own partial total and the logger got rank 0's)."""
+    runs = [job(model, schedule=schedule, microbatches=4) for model in ("hf_gpt2_grad_norm", "nanogpt_grad_norm")
+            for schedule in ("1f1b", "zb_h1")]
+    check_all(2, runs, [grad_norms_logged(run["kwargs"]["model"]) for run in runs], timeout=240)
+    check_all(4, [job("hf_gpt2_grad_norm", schedule="1f1b", microbatches=4)], [grad_norms_logged("hf_gpt2_grad_norm")],
+              timeout=240)

@@ -7,22 +7,24 @@ from __future__ import annotations
 
 import logging
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
+from contextlib import AbstractContextManager, nullcontext
 from typing import Any
 
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.utilities.model_helpers import is_overridden
 
-from lightning_pp._logs import LogRecorder
+from lightning_pp._logs import HookLogs, LogRecorder
 from lightning_pp.actions import Schedule
 from lightning_pp.checkpoint import StageCheckpoints
 from lightning_pp.grads import add_to_grads
-from lightning_pp.model.assembly import StageAssembly, place_outside_weights, placement_of
+from lightning_pp.model.assembly import StageAssembly, place_outside_weights, placement_of, set_aside_example_input
 from lightning_pp.model.results import outputs_read
 from lightning_pp.model.step import StepDriver
 from lightning_pp.options import PipelineOptions
 from lightning_pp.p2p import StageP2P, connect_stages
+from lightning_pp.summary import summarize_whole_model
 from lightning_pp.telemetry import PipelineTelemetry
 from lightning_pp.topology import PipelineLayout
 
@@ -33,6 +35,14 @@ log = logging.getLogger(__name__)
 Collective = Callable[[str], AbstractContextManager[None]]
 
 
+def _logs_around_optimizer_step(module: pl.LightningModule) -> bool:
+    """Whether the module or a callback overrides a hook around the optimizer step, where it may log."""
+    hooks = ("on_after_backward", "on_before_optimizer_step")
+    callbacks = module.trainer.callbacks  # type: ignore[attr-defined]
+    return (any(is_overridden(hook, module) for hook in hooks)
+            or any(is_overridden(hook, callback, pl.Callback) for hook in hooks for callback in callbacks))
+
+
 class StageSession:
     """This rank's stage during one Trainer run. ``object_group()`` is the group for object collectives now (None:
     the default group); ``new_group(ranks)`` creates a group of the job's backend."""
@@ -40,7 +50,7 @@ class StageSession:
     def __init__(self, module: pl.LightningModule, assembly: StageAssembly, schedules: Callable[[int, bool], Schedule],
                  layout: PipelineLayout, rank: int, device: torch.device, options: PipelineOptions,
                  microbatches: int, telemetry: PipelineTelemetry, object_group: Callable[[], Any],
-                 new_group: Callable[[list[int]], Any]) -> None:
+                 new_group: Callable[[list[int]], Any], fitting: bool) -> None:
         self.module, self.assembly, self.schedules = module, assembly, schedules
         self.layout, self.rank, self.device, self.telemetry = layout, rank, device, telemetry
         self.microbatches, self.new_group = microbatches, new_group
@@ -50,6 +60,7 @@ class StageSession:
         pipelined = layout.num_stages > 1
         self.recorder = LogRecorder()
         self.recorder.attach(module, groups if pipelined else None)
+        self._hook_logs = HookLogs(groups.pipeline) if pipelined and _logs_around_optimizer_step(module) else None
         p2p: StageP2P | None = None
         if pipelined:
             stage_to_rank = schedules(microbatches, False).stage_to_rank
@@ -62,6 +73,9 @@ class StageSession:
             module, partition, self._not_on_last_stage, world=layout.world_size, rank=rank, stage=self.stage,
             replica=layout.replica_of(rank), num_stages=layout.num_stages, rank_of=layout.rank,
             object_group=object_group, device=device)
+        self._undo_summary = summarize_whole_model(module.trainer, layout.stage_of, object_group) if pipelined else None
+        # until training starts (see set_aside_example_input)
+        self._example_input = set_aside_example_input(module, rank) if fitting and pipelined else None
         telemetry.device, telemetry.stage, telemetry.replica = device, self.stage, layout.replica_of(rank)
         telemetry.object_group, telemetry.view = object_group(), partition.view
 
@@ -111,14 +125,26 @@ class StageSession:
         if timed:  # for PipelineMonitor
             self.telemetry.last_grad_sync_ms = sync_ms
 
+    def hook_logs(self, collective: Collective) -> AbstractContextManager[None]:
+        """Where ``self.log`` in the hooks around the optimizer step is combined over the pipeline (see
+        :class:`~lightning_pp._logs.HookLogs`)."""
+        return self._hook_logs.combining(self.module, collective) if self._hook_logs is not None else nullcontext()
+
     def _not_on_last_stage(self) -> set[str]:
         """The state entries the last stage does not hold (weights used before the blocks only)."""
         placement = placement_of(self.module)
         last_rank = self.schedules(self.microbatches, False).stage_to_rank[-1]
         return placement.missing_keys(last_rank) if placement is not None else set()
 
+    def restore_example_input(self) -> None:
+        if self._example_input is not None:
+            self.module.example_input_array = self._example_input
+            self._example_input = None
+
     def close(self) -> None:
-        """Destroy the groups the session's assembly created, stop observing, undo the gradient patches."""
+        """Destroy the groups the session's assembly created, stop observing, undo the gradient patches and the
+        summary's, give the module its ``example_input_array`` back."""
+        self.restore_example_input()
         created = self.assembly.groups.created
         if dist.is_initialized():  # the default group is Lightning's to destroy
             for group in created:
@@ -128,3 +154,6 @@ class StageSession:
             self.assembly.placing.cancel()
         self.assembly.grads.uninstall()
         self.recorder.detach()
+        if self._undo_summary is not None:
+            self._undo_summary()
+            self._undo_summary = None
