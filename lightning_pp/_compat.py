@@ -185,6 +185,15 @@ def replace_summary(callback: Any, summary: Callable[[Any, Any], Any]) -> Callab
     return lambda: callback.__dict__.pop("_summary", None)
 
 
+def copy_forward_hooks(source: torch.nn.Module, target: torch.nn.Module, keep: Callable[[Any], bool]) -> None:
+    """Register on ``target`` the forward hooks of ``source`` that ``keep`` accepts (the same functions, in order)."""
+    with_kwargs = source._forward_hooks_with_kwargs
+    always = source._forward_hooks_always_called
+    for key, hook in source._forward_hooks.items():
+        if keep(hook):
+            target.register_forward_hook(hook, with_kwargs=key in with_kwargs, always_call=key in always)
+
+
 def unregister_tensors(module: torch.nn.Module) -> None:
     """Make the module's own parameters and buffers plain attributes: still readable by name, no longer part of its
     parameters, buffers or state dict."""
@@ -207,6 +216,7 @@ __all__ = [
     "backward_input",
     "backward_weight",
     "child_names",
+    "copy_forward_hooks",
     "forward_hooks",
     "fresh_persistent_workers",
     "mark_metric_updated",

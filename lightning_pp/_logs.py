@@ -310,7 +310,7 @@ class HookLogs:
             options.pop("self")
             name, value = options.pop("name"), options.pop("value")
             if isinstance(value, Metric):  # a metric's state is the pipeline's already (see _StateFromLastStage)
-                pl.LightningModule.log(module, name, value, **options)
+                type(module).log(module, name, value, **options)
             else:
                 calls.append((name, float(value), options))
 
@@ -324,8 +324,8 @@ class HookLogs:
         with collective("combining what the hooks around the optimizer step logged"):
             dist.all_gather_object(gathered, calls, group=self.group)
         for name, value, options in self._combined(gathered):
-            pl.LightningModule.log(module, name, torch.tensor(value, dtype=torch.get_default_dtype(),
-                                                              device=module.device), **options)
+            type(module).log(module, name, torch.tensor(value, dtype=torch.get_default_dtype(), device=module.device),
+                             **options)
 
     def _combined(self, per_stage: list[list[tuple[str, float, dict[str, Any]]]]
                   ) -> list[tuple[str, float, dict[str, Any]]]:
@@ -379,7 +379,7 @@ def replay(module: pl.LightningModule, records: list[LogRecord], updated_here: b
             forward_value = (torch.tensor(value.forward_value, device=module.device)
                              if value.forward_value is not None else None)
             _compat.mark_metric_updated(metric, counted=not updated_here, forward_value=forward_value)
-            pl.LightningModule.log(module, name, metric, **options)
+            type(module).log(module, name, metric, **options)
         else:
-            pl.LightningModule.log(module, name, torch.tensor(value, dtype=torch.get_default_dtype(),
-                                                              device=module.device), **options)
+            type(module).log(module, name, torch.tensor(value, dtype=torch.get_default_dtype(), device=module.device),
+                             **options)

@@ -37,7 +37,7 @@ from lightning_pp.model.assembly import (
     refuse_manual_optimization,
     setup_optimizers_everywhere,
 )
-from lightning_pp.model.session import StageSession
+from lightning_pp.model.session import StageSession, release
 from lightning_pp.options import PipelineOptions, documented_arguments
 from lightning_pp.schedules import StepSchedules
 from lightning_pp.telemetry import PipelineTelemetry
@@ -208,6 +208,7 @@ class PipelineParallelStrategy(ParallelStrategy):
     @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None and self.lightning_module is not None
+        self._session = None  # the previous run's was closed at its teardown
         self.accelerator.setup(trainer)
         module = self.lightning_module
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -223,16 +224,20 @@ class PipelineParallelStrategy(ParallelStrategy):
             recompute_every=self.options.recompute_every,
             device=self.root_device, new_group=self._new_group, to_device=self._convert_and_move,
             place_where_used=fitting and self.num_stages > 1 and self.options.outside_weights == "where_used")
-        if fitting:
-            setup_optimizers_everywhere(lambda: self.setup_optimizers(trainer), module, assembly.partition,
-                                        self.stage, self._world, self.object_group)
-        self.setup_precision_plugin()
-        assembly.grads.install(self.precision_plugin, enabled_scaler(self.precision_plugin))
-        if fitting:
-            _compat._optimizers_to_device(self.optimizers, self.root_device)
-        self._session = StageSession(module, assembly, self._schedules, self.layout, self.global_rank,
-                                     self.root_device, self.options, self.microbatches, self.telemetry,
-                                     lambda: self.object_group, self._new_group, fitting=fitting)
+        try:
+            if fitting:
+                setup_optimizers_everywhere(lambda: self.setup_optimizers(trainer), module, assembly.partition,
+                                            self.stage, self._world, self.object_group)
+            self.setup_precision_plugin()
+            assembly.grads.install(self.precision_plugin, enabled_scaler(self.precision_plugin))
+            if fitting:
+                _compat._optimizers_to_device(self.optimizers, self.root_device)
+            self._session = StageSession(module, assembly, self._schedules, self.layout, self.global_rank,
+                                         self.root_device, self.options, self.microbatches, self.telemetry,
+                                         lambda: self.object_group, self._new_group, fitting=fitting)
+        except BaseException:
+            release(assembly)  # teardown has no session to close
+            raise
 
     def _convert_and_move(self) -> None:
         assert self.model is not None

@@ -738,6 +738,57 @@ class HiddenStatesGPT2(HFGPT2):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class GatedBlock(nn.Module):
+    """A block whose feed-forward is weighted per token by a small gate (a router's shape)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        self.norm = nn.LayerNorm(dim)
+        self.gate = nn.Linear(dim, 2)
+        self.experts = nn.ModuleList([nn.Linear(dim, dim) for _ in range(2)])
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.norm(x)
+        weights = torch.softmax(self.gate(h), dim=-1)
+        return x + sum(weights[..., e:e + 1] * expert(h) for e, expert in enumerate(self.experts))
+
+
+class HookedAuxLoss(L.LightningModule):
+    """A module of our own in the style of hand-written mixture-of-experts code: ``__init__`` registers a forward
+    hook on every block's gate that keeps the gate's logits, and the loss adds a penalty over all of them (their
+    squared mean, a per-token average, so micro-batches combine exactly)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, 16)
+        self.blocks = nn.ModuleList([GatedBlock(16) for _ in range(4)])
+        self.head = nn.Linear(16, VOCAB)
+        self.gate_logits: list[torch.Tensor] = []
+        for block in self.blocks:
+            block.gate.register_forward_hook(self._keep_gate_logits)
+
+    def _keep_gate_logits(self, module: nn.Module, args: Any, output: torch.Tensor) -> None:
+        self.gate_logits.append(output)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        self.gate_logits = []
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x)
+        loss = next_token_loss(self.head(x), tokens)
+        penalty = torch.stack([logits.pow(2).mean() for logits in self.gate_logits]).mean()
+        self.log("train_loss", loss)
+        self.log("train_penalty", penalty)
+        return loss + 0.1 * penalty
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        return token_batches()
+
+
 # ----------------------------------------------------------- 10c. a U-Net: skip connections across the stages
 class DownBlock(nn.Module):
     def __init__(self, channels_in: int, channels_out: int) -> None:
@@ -922,6 +973,7 @@ SPECS: dict[str, Spec] = {
     "compiled": Spec(CompiledNanoGPT),
     "hf_gpt2_hidden_states": Spec(HiddenStatesGPT2),
     "hf_gpt2_grad_norm": Spec(GradNormGPT2),
+    "hooked_aux_loss": Spec(HookedAuxLoss),
     "nanogpt_grad_norm": Spec(GradNormNanoGPT),
     "unet": Spec(UNetAutoencoder, max_steps=-1, max_epochs=2, validate=True, monitor="val_loss"),
     "hf_mixtral": Spec(HFMixtral, max_steps=-1, max_epochs=2, validate=True),

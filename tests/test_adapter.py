@@ -209,3 +209,49 @@ def test_checkpointed_blocks_keep_fewer_activations_and_the_same_gradients_with_
     for a, b in zip(grads, same, strict=True):
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     assert run(2)[0] < kept
+
+
+def test_side_records_travel_packed_and_carry_gradients_back() -> None:
+    """A deep model's records cross as one flat tensor per dtype (and gradient need), not one per layer: a 32-layer
+    mixture of experts' router logits fit the boundary's tensor limit; gradients reach every record."""
+    from lightning_pp.model.sides import split_sides, with_sides
+
+    logits = [torch.randn(6, 4, requires_grad=True) for _ in range(32)]
+    records = [[i, "mlp.gate", (logit * 2, logit.argmax(-1))] for i, logit in enumerate(logits)]
+    sent = with_sides(torch.ones(2, 3), records)
+    tensors, _ = flatten(sent)
+    assert len(tensors) == 3  # the activation, the float records, the integer records
+    received = [t.detach().requires_grad_(t.requires_grad) for t in tensors]
+    output, back = split_sides(unflatten(flatten(sent)[1], received))
+    assert torch.equal(output, torch.ones(2, 3)) and [r[:2] for r in back] == [r[:2] for r in records]
+    torch.stack([r[2][0].sum() * (i + 1) for i, r in enumerate(back)]).sum().backward()
+    sent_float = [t for t in flatten(sent)[0] if t.requires_grad]
+    assert len(sent_float) == 1
+    torch.autograd.backward(sent_float, [received[k].grad for k, t in enumerate(tensors) if t.requires_grad])
+    for i, logit in enumerate(logits):
+        assert torch.equal(logit.grad, torch.full((6, 4), 2.0 * (i + 1)))
+
+
+def test_stand_ins_keep_the_blocks_hooks_pickle_and_leave_submodule_modes_alone() -> None:
+    """Forward hooks registered on a block's submodules before the split are on the stand-in's copies too (a user's
+    auxiliary-loss collector); a module with stand-ins pickles; swapping a stage's own blocks out and back keeps the
+    train/eval mode the user gave their submodules."""
+    import pickle
+
+    model = NanoStyle()
+    seen: list[int] = []
+    for block in model.blocks:
+        block.mlp.register_forward_hook(lambda module, args, output: seen.append(output.shape[0]))
+        block.mlp[1].eval()  # a submodule kept in eval mode inside a block in train mode
+    view = StageView("transformer.h", model.transformer["h"], [0, 2], [range(0, 1), range(1, 2), range(2, 3),
+                                                                       range(3, 4)])
+    stand_in = model.blocks[1]
+    assert next(stand_in.parameters(), None) is None and isinstance(stand_in, Block)
+    stand_in.mlp(torch.ones(5, 4, device="meta"))
+    assert seen == [5]
+    plain = NanoStyle()  # (the lambdas above do not pickle)
+    StageView("transformer.h", plain.transformer["h"], [1], [range(0, 2), range(2, 4)])
+    assert isinstance(pickle.loads(pickle.dumps(plain)).blocks[0], Block)
+    with view.microbatch(0, None, stop_after_blocks=False):
+        assert model.blocks[2] is not view.blocks_of(2)[0]  # stage 2's own block is a stand-in in stage 0's pass
+    assert model.blocks[2] is view.blocks_of(2)[0] and not model.blocks[2].mlp[1].training

@@ -276,15 +276,22 @@ def test_mixture_of_experts_router_loss_over_every_layer() -> None:
     forward hooks inside the layers and adds the load-balancing loss over all of them. The first stage's routers'
     logits reach the last stage, so the loss, its gradient to the first stage's routers, the logged auxiliary loss and
     validation (on the whole batch) equal one device's. The router loss is a batch statistic: the reference averages
-    the losses of each batch's four quarters, the micro-batches."""
+    the losses of each batch's four quarters, the micro-batches. The same with a module of our own whose ``__init__``
+    registers the hooks that keep its gates' logits (before the split: the stand-ins get the same hooks)."""
     def check(results: list[Result], label: str) -> None:
         want = real_model_reference("hf_mixtral_quarters")
         compare(results, want, label, params=True)
         for key in ("train_aux_loss", "val_ppl", "val_aux_loss"):
             check_logged(results[0]["history"], want["history"], key, rel_tol=METRIC_RTOL)
 
+    def hooked(results: list[Result], label: str) -> None:
+        matches("hooked_aux_loss")(results, label)
+        want = real_model_reference("hooked_aux_loss")
+        check_logged(results[0]["history"], want["history"], "train_penalty", rel_tol=METRIC_RTOL)
+
     runs = [job("hf_mixtral", schedule=schedule, microbatches=4) for schedule in ("1f1b", "interleaved_1f1b")]
-    check_all(2, runs, [check, check], timeout=240)
+    runs += [job("hooked_aux_loss", schedule=schedule, microbatches=4) for schedule in ("1f1b", "zb_h1")]
+    check_all(2, runs, [check, check, hooked, hooked], timeout=240)
 
 
 @pytest.mark.multiprocess

@@ -28,7 +28,7 @@ from lightning_pp.summary import summarize_whole_model
 from lightning_pp.telemetry import PipelineTelemetry
 from lightning_pp.topology import PipelineLayout
 
-__all__ = ["StageSession"]
+__all__ = ["StageSession", "release"]
 
 log = logging.getLogger(__name__)
 
@@ -41,6 +41,20 @@ def _logs_around_optimizer_step(module: pl.LightningModule) -> bool:
     callbacks = module.trainer.callbacks  # type: ignore[attr-defined]
     return (any(is_overridden(hook, module) for hook in hooks)
             or any(is_overridden(hook, callback, pl.Callback) for hook in hooks for callback in callbacks))
+
+
+def release(assembly: StageAssembly) -> None:
+    """Destroy the groups the assembly created, stop observing the placement, undo the gradient patches, remove the
+    side outputs' recording hooks: what a run leaves behind (also when its setup failed half-way)."""
+    created = assembly.groups.created
+    if dist.is_initialized():  # the default group is Lightning's to destroy
+        for group in created:
+            dist.destroy_process_group(group)
+    created.clear()
+    if assembly.placing is not None:
+        assembly.placing.cancel()
+    assembly.grads.uninstall()
+    assembly.partition.view.sides.remove()
 
 
 class StageSession:
@@ -58,14 +72,14 @@ class StageSession:
         partition, groups = assembly.partition, assembly.groups
         partition.view.sides.every_block = options.carry_block_outputs
         pipelined = layout.num_stages > 1
-        self.recorder = LogRecorder()
-        self.recorder.attach(module, groups if pipelined else None)
-        self._hook_logs = HookLogs(groups.pipeline) if pipelined and _logs_around_optimizer_step(module) else None
         p2p: StageP2P | None = None
-        if pipelined:
+        if pipelined:  # first: the one part that can fail (then the strategy releases the assembly)
             stage_to_rank = schedules(microbatches, False).stage_to_rank
             p2p = connect_stages(groups, stage_to_rank, device, options.transfer_timeout, lambda ranks: (
                 dist.new_group(ranks, backend="gloo", timeout=options.group_timeout)))
+        self.recorder = LogRecorder()
+        self.recorder.attach(module, groups if pipelined else None)
+        self._hook_logs = HookLogs(groups.pipeline) if pipelined and _logs_around_optimizer_step(module) else None
         self.driver = StepDriver(module, partition.view, p2p, self.recorder, device, schedules, microbatches,
                                  options.microbatch_weight, groups if pipelined else None, position=self.stage,
                                  shared=assembly.shared)
@@ -142,17 +156,10 @@ class StageSession:
             self._example_input = None
 
     def close(self) -> None:
-        """Destroy the groups the session's assembly created, stop observing, undo the gradient patches and the
-        summary's, give the module its ``example_input_array`` back."""
+        """Release the assembly (see :func:`release`), undo the summary's and the logs' patches, give the module its
+        ``example_input_array`` back."""
         self.restore_example_input()
-        created = self.assembly.groups.created
-        if dist.is_initialized():  # the default group is Lightning's to destroy
-            for group in created:
-                dist.destroy_process_group(group)
-        created.clear()
-        if self.assembly.placing is not None:
-            self.assembly.placing.cancel()
-        self.assembly.grads.uninstall()
+        release(self.assembly)
         self.recorder.detach()
         if self._undo_summary is not None:
             self._undo_summary()

@@ -16,17 +16,20 @@ evaluation the last stage runs the step once on the whole batch: each record is 
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Iterable
 from typing import Any
 
 import torch
 from torch import nn
+from torch.utils.hooks import RemovableHandle
 
 from lightning_pp import _compat
+from lightning_pp._tree import flatten, unflatten
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.microbatch import merge_microbatches
 
-__all__ = ["SideOutputs", "Sides", "joined_sides", "ours", "split_sides", "with_sides"]
+__all__ = ["SideOutputs", "Sides", "joined_sides", "not_ours", "ours", "split_sides", "with_sides"]
 
 # one record: [block index, the submodule's path inside the block ("": the block), its output]
 Sides = list[list[Any]]
@@ -39,25 +42,44 @@ def ours(hook: Callable[..., Any]) -> Callable[..., Any]:
     return hook
 
 
-def is_ours(hook: Any) -> bool:
-    return bool(getattr(hook, "__dict__", {}).get("lightning_pp"))
+def not_ours(hook: Any) -> bool:
+    return not getattr(hook, "__dict__", {}).get("lightning_pp")
 
 
 def _foreign_hooks(module: nn.Module) -> list[tuple[Callable[..., Any], bool]]:
     """The module's forward hooks that are not ours, each with whether it takes the call's kwargs."""
-    return [(hook, with_kwargs) for hook, with_kwargs in _compat.forward_hooks(module) if not is_ours(hook)]
+    return [(hook, with_kwargs) for hook, with_kwargs in _compat.forward_hooks(module) if not_ours(hook)]
 
 
 def with_sides(output: Any, sides: Sides) -> Any:
-    """What a stage sends on: its last block's output, with the records when there are any."""
-    return {_OUTPUT: output, _SIDES: sides} if sides else output
+    """What a stage sends on: its last block's output, with the records when there are any. The records' tensors
+    travel packed, one flat tensor per dtype (and whether it needs gradients), so that a deep model's records cross
+    as a few tensors, not one per layer; packing and unpacking are differentiable."""
+    if not sides:
+        return output
+    tensors, spec = flatten(sides)
+    groups: dict[tuple[torch.dtype, bool], list[int]] = {}
+    for k, tensor in enumerate(tensors):
+        groups.setdefault((tensor.dtype, tensor.requires_grad), []).append(k)
+    places: list[list[Any]] = [[] for _ in tensors]  # per tensor: [its pack, its offset there, its shape]
+    packs = []
+    for pack, members in enumerate(groups.values()):
+        offset = 0
+        for k in members:
+            places[k] = [pack, offset, list(tensors[k].shape)]
+            offset += tensors[k].numel()
+        packs.append(torch.cat([tensors[k].reshape(-1) for k in members]))
+    return {_OUTPUT: output, _SIDES: {"spec": spec, "places": places, "packs": packs}}
 
 
 def split_sides(received: Any) -> tuple[Any, Sides]:
     """The inverse of :func:`with_sides`."""
-    if isinstance(received, dict) and _SIDES in received:
-        return received[_OUTPUT], list(received[_SIDES])
-    return received, []
+    if not (isinstance(received, dict) and _SIDES in received):
+        return received, []
+    sides = received[_SIDES]
+    packs = sides["packs"]
+    tensors = [packs[pack][offset:offset + math.prod(shape)].view(shape) for pack, offset, shape in sides["places"]]
+    return received[_OUTPUT], list(unflatten(sides["spec"], tensors))
 
 
 def joined_sides(per_microbatch: list[Sides], sizes: list[int]) -> Sides:
@@ -75,7 +97,8 @@ def _joined(values: list[Any], sizes: list[int], index: int, path: str) -> Any:
     first = values[0]
     if isinstance(first, torch.Tensor):
         counts = [v.shape[0] if v.dim() else 0 for v in values]
-        if counts[0] and all(count * sizes[0] == counts[0] * size for count, size in zip(counts, sizes, strict=True)):
+        per_sample = counts[0] // sizes[0] if counts[0] % sizes[0] == 0 else 0
+        if per_sample and all(count == per_sample * size for count, size in zip(counts, sizes, strict=True)):
             return torch.cat(values)
         raise PipelineConfigError(
             f"A hook inside block {index} records the output of `{path}` (shape {list(first.shape)}), whose first "
@@ -86,6 +109,22 @@ def _joined(values: list[Any], sizes: list[int], index: int, path: str) -> Any:
     return merge_microbatches(values, sizes)
 
 
+class _Recorder:
+    """Our forward hook on a hooked module of block ``index``: records its output while the block's stage runs (an
+    object, not a closure, so that a module carrying it still pickles)."""
+
+    def __init__(self, sides: SideOutputs, index: int, path: str) -> None:
+        self.sides, self.index, self.path = sides, index, path
+        ours(self)
+
+    def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
+        sides = self.sides
+        # the hooks may have gone since (a user's handle removed): then nothing is recorded
+        if self.index in sides._recording and (sides.records_output(module) if not self.path
+                                               else _foreign_hooks(module)):
+            sides.recorded.append([self.index, self.path, output])
+
+
 class SideOutputs:
     """Records the outputs of hooked submodules of the blocks a stage runs, and replays records on stand-ins."""
 
@@ -93,7 +132,7 @@ class SideOutputs:
         self.recorded: Sides = []
         self.every_block = False  # record every block's output, hooked or not (``carry_block_outputs``)
         self._recording: set[int] = set()  # the blocks whose submodules' outputs are recorded now
-        self._watched: set[int] = set()  # ids of the submodules that carry our recording hook
+        self._watched: dict[int, RemovableHandle] = {}  # by module id: our recording hooks
 
     def start(self, blocks: Iterable[tuple[int, nn.Module]]) -> None:
         """Record, from now on, the outputs of the hooked submodules of ``blocks`` (index, block)."""
@@ -104,8 +143,8 @@ class SideOutputs:
             for path, module in block.named_modules():
                 wanted = self.records_output(module) if not path else bool(_foreign_hooks(module))
                 if wanted and id(module) not in self._watched:
-                    self._watched.add(id(module))
-                    module.register_forward_hook(ours(self._recorder(index, path)), prepend=True)
+                    self._watched[id(module)] = module.register_forward_hook(_Recorder(self, index, path),
+                                                                             prepend=True)
 
     def records_output(self, block: nn.Module) -> bool:
         """Whether the output of ``block`` (or its stand-in) is recorded where it runs."""
@@ -115,11 +154,11 @@ class SideOutputs:
         recorded, self.recorded, self._recording = self.recorded, [], set()
         return recorded
 
-    def _recorder(self, index: int, path: str) -> Callable[..., None]:
-        def record(module: nn.Module, args: Any, output: Any) -> None:
-            if index in self._recording:
-                self.recorded.append([index, path, output])
-        return record
+    def remove(self) -> None:
+        """Remove our recording hooks (a later run adds those it needs)."""
+        for handle in self._watched.values():
+            handle.remove()
+        self._watched.clear()
 
     @staticmethod
     def replay(stand_in: nn.Module, records: Sides) -> Any:
@@ -138,6 +177,13 @@ class SideOutputs:
                     f"stage does not have (the block could not be copied). Keep such hooks off the blocks' "
                     f"submodules.") from error
             for hook, with_kwargs in _foreign_hooks(module):
-                result = hook(module, (), {}, output) if with_kwargs else hook(module, (), output)
+                try:
+                    result = hook(module, (), {}, output) if with_kwargs else hook(module, (), output)
+                except (IndexError, KeyError) as error:
+                    raise PipelineConfigError(
+                        f"A forward hook on `{path}` inside a block another pipeline stage holds failed when handed "
+                        f"that module's recorded output ({type(error).__name__}: {error}). On a stage that does not "
+                        f"hold the block, the hooks get the module's output only, not its inputs: record from the "
+                        f"output.") from error
                 output = output if result is None else result
         return block_output

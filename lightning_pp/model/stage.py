@@ -30,7 +30,7 @@ from lightning_pp import _compat
 from lightning_pp._remote import marked_remote
 from lightning_pp._tree import map_tensors
 from lightning_pp.errors import PipelineConfigError
-from lightning_pp.model.sides import SideOutputs, Sides, ours, split_sides
+from lightning_pp.model.sides import SideOutputs, Sides, not_ours, ours, split_sides
 
 __all__ = ["Mode", "StageOutput", "StageView", "meta_twin"]
 
@@ -114,7 +114,13 @@ class _StandIn(nn.Module):
             self.add_module(name, child)
         if twin is block:
             _compat.share_forward_hooks(block, self)
+        elif twin is not None:  # hooks the block and its submodules had (a meta copy has none): the same functions
+            for path, module in block.named_modules():
+                _compat.copy_forward_hooks(module, self if not path else twin.get_submodule(path), keep=not_ours)
         self.__dict__["_pipeline"] = (view, index, owner, type(block).__name__, twin)
+
+    def __reduce_ex__(self, protocol: Any) -> Any:  # pickled as what it is, not as the class it shows
+        return _new_stand_in, (), self.__getstate__()
 
     @property  # type: ignore[misc]
     def __class__(self) -> type:  # what `isinstance` checks after the type: the block's class
@@ -139,6 +145,10 @@ class _StandIn(nn.Module):
     def extra_repr(self) -> str:
         _, _, owner, block_type, _ = self.__dict__["_pipeline"]
         return f"{block_type} on stage {owner}"
+
+
+def _new_stand_in() -> _StandIn:
+    return _StandIn.__new__(_StandIn)
 
 
 class _Recomputed:
@@ -310,5 +320,5 @@ class StageView:
     def _swap(self, keys: list[str], to_stand_ins: bool) -> None:
         for key in keys:
             if to_stand_ins:  # in train or eval mode as the block is (the model may read it: `layers[0].training`)
-                self._stand_ins[key].train(self._local_blocks[key].training)
+                self._stand_ins[key].training = self._local_blocks[key].training  # not its submodules: the block's
             self.container.register_module(key, self._stand_ins[key] if to_stand_ins else self._local_blocks[key])

@@ -288,7 +288,8 @@ class _Step:
         driver = self.driver
         order = range(len(self.microbatches))
         joined = merge_microbatches([self.block_outputs[mb] for mb in order], self.sizes)
-        sides = joined_sides([self.block_sides[mb] for mb in order], self.sizes) if self.block_sides[0] else []
+        recorded = [self.block_sides[mb] for mb in order]
+        sides = joined_sides(recorded, self.sizes) if any(recorded) else []
         recording = driver.recorder.recording(driver.module, 0)
         with driver.view.finishing(joined, sides), driver.randomness.pass_(-1), recording:
             result = self.user_step(self.batch, *self.rest, **self.kwargs)
