@@ -5,7 +5,8 @@
 The transformer blocks live in an ``nn.ModuleList`` that ``forward`` loops over, passing each block the causal mask it
 builds (the nanoGPT / Hugging Face way); the strategy finds that list and splits it over the two processes. The token
 embedding, the position embedding and the head (tied to the token embedding) sit outside it and are held by both. The
-module is written as for single-device Lightning: only the Trainer's strategy names the pipeline. TensorBoard logs go to
+module is written as for single-device Lightning: only the Trainer's strategy names the pipeline; every 50 steps it
+prints a greedy sample, generated in a hook one character per pass through the model. TensorBoard logs go to
 ``lightning_logs/gpt_pipeline`` (loss, perplexity and the PipelineMonitor's ``pipeline/*`` timings and timeline
 image): ``tensorboard --logdir lightning_logs``. Perfetto traces land in ``lightning_logs/pipeline_traces``.
 """
@@ -76,7 +77,7 @@ class Block(nn.Module):
 
 class GPT(L.LightningModule):
     def __init__(self, vocab_size: int, block_size: int = 32, dim: int = 64, layers: int = 4, heads: int = 4,
-                 lr: float = 3e-3) -> None:
+                 lr: float = 3e-3, chars: list[str] | None = None, sample_every: int = 0) -> None:
         super().__init__()
         self.save_hyperparameters()
         self.token_embedding = nn.Embedding(vocab_size, dim)
@@ -102,6 +103,25 @@ class GPT(L.LightningModule):
         self.log("perplexity", torch.exp(loss))
         return loss
 
+    @torch.no_grad()
+    def sample(self, prompt: str, length: int) -> str:
+        """Greedy continuation of ``prompt``: one pass through the model per character."""
+        chars: list[str] = self.hparams["chars"]
+        tokens = torch.tensor([[chars.index(c) for c in prompt]], device=self.device)
+        for _ in range(length):
+            logits = self(tokens[:, -self.hparams["block_size"]:])
+            tokens = torch.cat([tokens, logits[:, -1].argmax(-1, keepdim=True)], dim=1)
+        return "".join(chars[int(i)] for i in tokens[0])
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        # every rank samples (each runs its own stage's blocks, pipelined); rank 0 prints
+        every = self.hparams["sample_every"]
+        due = self.global_step % every == 0 or self.global_step == self.trainer.max_steps if every else False
+        if due and self.hparams["chars"]:
+            text = self.sample("the ", 28)
+            if self.trainer.is_global_zero:
+                print(f"step {self.global_step:4d} sample: {text!r}")
+
     def configure_optimizers(self) -> Any:
         optimizer = torch.optim.AdamW(self.parameters(), lr=self.hparams["lr"], weight_decay=0.01)
         total = self.trainer.max_steps
@@ -122,12 +142,14 @@ def main() -> None:
                         help="stages per pipeline; the rest of the world is data-parallel replicas (default: all)")
     parser.add_argument("--accelerator", default="cpu", help="cpu (default), gpu or auto")
     parser.add_argument("--log-dir", default="lightning_logs")
+    parser.add_argument("--sample-every", type=int, default=50,
+                        help="print a greedy sample every N steps (0: never); every rank runs its blocks for it")
     args = parser.parse_args()
 
     torch.set_num_threads(1)  # one core per process: the two stages run side by side on a 2-core machine
     L.seed_everything(0, verbose=False)
     dataset = CharDataset(make_corpus(), block_size=32)
-    model = GPT(vocab_size=len(dataset.chars))
+    model = GPT(vocab_size=len(dataset.chars), chars=dataset.chars, sample_every=args.sample_every)
     trainer = L.Trainer(
         accelerator=args.accelerator,
         devices=args.devices,

@@ -194,6 +194,11 @@ def copy_forward_hooks(source: torch.nn.Module, target: torch.nn.Module, keep: C
             target.register_forward_hook(hook, with_kwargs=key in with_kwargs, always_call=key in always)
 
 
+def current_hook(module: Any) -> str | None:
+    """The name of the Lightning hook (or step) running on ``module`` now, if any."""
+    return getattr(module, "_current_fx_name", None)
+
+
 def unregister_tensors(module: torch.nn.Module) -> None:
     """Make the module's own parameters and buffers plain attributes: still readable by name, no longer part of its
     parameters, buffers or state dict."""
@@ -201,8 +206,7 @@ def unregister_tensors(module: torch.nn.Module) -> None:
         module._parameters.pop(name, None)
         module._buffers.pop(name, None)
         module._non_persistent_buffers_set.discard(name)
-        if tensor is not None:
-            module.__dict__[name] = tensor
+        module.__dict__[name] = tensor  # None too: `linear.bias is None` stays readable
 
 
 __all__ = [
@@ -217,6 +221,7 @@ __all__ = [
     "backward_weight",
     "child_names",
     "copy_forward_hooks",
+    "current_hook",
     "forward_hooks",
     "fresh_persistent_workers",
     "mark_metric_updated",

@@ -139,8 +139,12 @@ class InfOnOneStage(MLPClassifier):
 
 
 class SequentialInHook(MLPClassifier):
+    """Runs the blocks in a hook on global rank 0 only (as code printing a sample under ``if self.global_rank == 0``
+    would)."""
+
     def on_train_epoch_end(self) -> None:
-        self.layers(torch.zeros(1, 16))
+        if self.global_rank == 0:
+            self.layers(torch.zeros(1, 16))
 
 
 class Lifecycle(MLPClassifier):

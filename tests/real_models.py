@@ -662,6 +662,75 @@ class HFViT(L.LightningModule):
         return image_batches()
 
 
+# ----------------------------------------------------------- 9b. generation: several passes through the blocks
+class GeneratingGPT2(HFGPT2):
+    """GPT-2 generating greedily with ``generate``: a sample at the end of every validation epoch (during fit, with
+    the weights outside the blocks kept where used) and 5 tokens per prompt in ``predict_step`` with their scores,
+    with or without the key/value cache."""
+
+    def __init__(self, use_cache: bool = True) -> None:
+        super().__init__()
+        self.use_cache = use_cache
+        self.samples: list[torch.Tensor] = []
+
+    def _generate(self, prompt: torch.Tensor, tokens: int) -> Any:
+        return self.model.generate(prompt, max_new_tokens=tokens, do_sample=False, use_cache=self.use_cache,
+                                   pad_token_id=0, output_scores=True, return_dict_in_generate=True)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        (input_ids,) = batch
+        self.log("val_ppl", torch.exp(self.model(input_ids, labels=input_ids).loss))
+
+    def on_validation_epoch_end(self) -> None:
+        prompt = torch.tensor([[1, 3, 5, 7], [2, 4, 6, 8]], device=self.device)
+        self.samples.append(self._generate(prompt, 3).sequences.cpu())
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (input_ids,) = batch
+        generated = self._generate(input_ids[:, :4], 5)
+        scores = torch.stack(generated.scores, dim=1).flatten(1)
+        return torch.cat([generated.sequences.to(scores.dtype), scores], dim=1)
+
+    def val_dataloader(self) -> DataLoader:
+        return token_batches(batches=2, seed=1)
+
+    def predict_dataloader(self) -> DataLoader:
+        return token_batches(batches=1, seed=2)
+
+
+class GeneratingNanoGPT(NanoGPT):
+    """nanoGPT with a greedy generation loop of our own (no cache: the whole sequence through the model each token),
+    in ``predict_step`` and at the end of every validation epoch."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.samples: list[torch.Tensor] = []
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, tokens: int) -> torch.Tensor:
+        for _ in range(tokens):
+            next_token = self(idx)[:, -1].argmax(-1, keepdim=True)
+            idx = torch.cat([idx, next_token], dim=1)
+        return idx
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        (tokens,) = batch
+        self.log("val_ppl", torch.exp(next_token_loss(self(tokens), tokens)))
+
+    def on_validation_epoch_end(self) -> None:
+        self.samples.append(self.generate(torch.tensor([[1, 3, 5, 7]], device=self.device), 3).cpu())
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        return self.generate(tokens[:, :4], 5)
+
+    def val_dataloader(self) -> DataLoader:
+        return token_batches(batches=2, seed=1)
+
+    def predict_dataloader(self) -> DataLoader:
+        return token_batches(batches=1, seed=2)
+
+
 # ----------------------------------------------------------- 10a. gradient norms logged before the optimizer step
 class GradNormGPT2(HFGPT2):
     """GPT-2 logging Lightning's ``grad_norm`` (every parameter's and the total) in ``on_before_optimizer_step``."""
@@ -973,6 +1042,10 @@ SPECS: dict[str, Spec] = {
     "compiled": Spec(CompiledNanoGPT),
     "hf_gpt2_hidden_states": Spec(HiddenStatesGPT2),
     "hf_gpt2_grad_norm": Spec(GradNormGPT2),
+    "nanogpt_generate": Spec(GeneratingNanoGPT, max_steps=-1, max_epochs=2, validate=True, predict=True),
+    "hf_gpt2_generate": Spec(GeneratingGPT2, max_steps=-1, max_epochs=2, validate=True, predict=True),
+    "hf_gpt2_generate_no_cache": Spec(lambda: GeneratingGPT2(use_cache=False), max_steps=-1, max_epochs=2,
+                                      validate=True, predict=True),
     "hooked_aux_loss": Spec(HookedAuxLoss),
     "nanogpt_grad_norm": Spec(GradNormNanoGPT),
     "unet": Spec(UNetAutoencoder, max_steps=-1, max_epochs=2, validate=True, monitor="val_loss"),
@@ -1017,6 +1090,7 @@ def run(name: str, strategy: Any = "auto", devices: int = 1, dirpath: str | None
             "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
             "drawn": list(getattr(module, "drawn", [])),
             "graphs": compiled_graphs(),
+            "samples": list(getattr(module, "samples", [])),
         }
         if spec.predict:
             result["predictions"] = torch.cat(trainer.predict(module))  # type: ignore[arg-type]

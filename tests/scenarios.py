@@ -354,7 +354,7 @@ def result_exchange(steps: int) -> list[dict[str, Any]]:
             for send in (True, False):
                 pickled = 0
                 records: list[Any] = [(f"m{i}", float(step + i), {"prog_bar": i == 0}) for i in range(20)]
-                loss, logged, outputs = exchange.share(0.5 + step, records, step_outputs(step), send)
+                loss, logged, outputs, _ = exchange.share(0.5 + step, records, step_outputs(step), send)
                 arrived.append({"loss": loss, "logged": logged, "outputs": outputs, "pickled": pickled})
     finally:
         results.dist.broadcast_object_list = broadcast_object_list  # type: ignore[attr-defined]

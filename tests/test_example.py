@@ -23,4 +23,5 @@ def test_gpt_example_trains_and_writes_tensorboard_logs(tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
     assert "final train_loss" in result.stdout
+    assert "step   20 sample: 'the " in result.stdout  # generated in a hook, a pass through the pipeline per character
     assert list(tmp_path.glob("gpt_pipeline/version_*/events.out.tfevents.*"))

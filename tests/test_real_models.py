@@ -21,7 +21,9 @@ import pytest
 import real_models
 import torch
 from support import (
+    ATOL,
     METRIC_RTOL,
+    RTOL,
     SCHEDULE_NAMES,
     Result,
     check_all,
@@ -30,11 +32,14 @@ from support import (
     job,
     logged,
     merged_state,
+    prefixed,
     real_model_reference,
     validated_and_predicted,
 )
 
-ADAMW_MODELS = {"hf_gpt2", "hf_gpt2_grad_norm", "nanogpt_grad_norm", "hf_gpt2_dropout", "hf_gpt2_padded", "nanogpt",
+ADAMW_MODELS = {"hf_gpt2", "hf_gpt2_grad_norm", "hf_gpt2_generate", "hf_gpt2_generate_no_cache", "nanogpt_generate",
+                "nanogpt_grad_norm",
+                "hf_gpt2_dropout", "hf_gpt2_padded", "nanogpt",
                 "sliced", "compiled"}
 
 
@@ -271,7 +276,7 @@ def test_compiled_blocks_compile_once_not_per_microbatch() -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_mixture_of_experts_router_loss_over_every_layer() -> None:
+def test_mixture_of_experts_router_loss_over_every_layer(tmp_path: Path) -> None:
     """Hugging Face's Mixtral with ``output_router_logits=True``: transformers records each layer's router logits with
     forward hooks inside the layers and adds the load-balancing loss over all of them. The first stage's routers'
     logits reach the last stage, so the loss, its gradient to the first stage's routers, the logged auxiliary loss and
@@ -289,7 +294,9 @@ def test_mixture_of_experts_router_loss_over_every_layer() -> None:
         want = real_model_reference("hooked_aux_loss")
         check_logged(results[0]["history"], want["history"], "train_penalty", rel_tol=METRIC_RTOL)
 
-    runs = [job("hf_mixtral", schedule=schedule, microbatches=4) for schedule in ("1f1b", "interleaved_1f1b")]
+    # each run its own checkpoint folder: a temporary one would be rank 0's, gone while another rank lists it
+    runs = [job("hf_mixtral", schedule=schedule, microbatches=4, dirpath=str(tmp_path / schedule))
+            for schedule in ("1f1b", "interleaved_1f1b")]
     runs += [job("hooked_aux_loss", schedule=schedule, microbatches=4) for schedule in ("1f1b", "zb_h1")]
     check_all(2, runs, [check, check, hooked, hooked], timeout=240)
 
@@ -310,7 +317,7 @@ def test_hidden_states_of_every_layer_in_the_loss() -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_unet_skips_across_stages_with_either_container() -> None:
+def test_unet_skips_across_stages_with_either_container(tmp_path: Path) -> None:
     """A U-Net whose down blocks' outputs are concatenated back into the up blocks, with ``carry_block_outputs=True``:
     split along its down blocks (the skips are read after them, on the last stage) and along its up blocks (each
     skip joins the previous up block's output between the blocks), training and validation equal one device's."""
@@ -319,7 +326,8 @@ def test_unet_skips_across_stages_with_either_container() -> None:
         compare(results, want, label, params=True)
         check_logged(results[0]["history"], want["history"], "val_loss", rel_tol=METRIC_RTOL)
 
-    runs = [job("unet", blocks=blocks, schedule=schedule, microbatches=4, carry_block_outputs=True)
+    runs = [job("unet", blocks=blocks, schedule=schedule, microbatches=4, carry_block_outputs=True,
+                dirpath=str(tmp_path / f"{blocks}-{schedule}"))
             for blocks, schedule in (("net.downs", "1f1b"), ("net.downs", "interleaved_1f1b"), ("net.ups", "1f1b"),
                                      ("net.ups", "zb_h1"))]
     check_all(2, runs, [check] * len(runs), timeout=240)
@@ -350,3 +358,35 @@ def test_gradient_norms_logged_before_the_optimizer_step() -> None:
     check_all(2, runs, [grad_norms_logged(run["kwargs"]["model"]) for run in runs], timeout=240)
     check_all(4, [job("hf_gpt2_grad_norm", schedule="1f1b", microbatches=4)], [grad_norms_logged("hf_gpt2_grad_norm")],
               timeout=240)
+
+
+def generated_as_on_one_device(model: str) -> Callable[[list[Result], str], None]:
+    """Training as on one device; on every rank the samples generated at the end of each validation epoch and the
+    tokens and scores ``generate`` gives in ``predict_step``."""
+    def check(results: list[Result], label: str) -> None:
+        matches(model)(results, label)
+        want = real_model_reference(model)
+        for rank, result in enumerate(results):
+            assert len(result["samples"]) == len(want["samples"]) > 0, label
+            for got, expected in zip(result["samples"], want["samples"], strict=True):
+                assert torch.equal(got, expected), f"{label}: rank {rank}'s sample {got} != {expected}"
+            torch.testing.assert_close(result["predictions"], want["predictions"], rtol=RTOL, atol=ATOL,
+                                       msg=prefixed(f"{label}: rank {rank}'s generated tokens and scores"))
+
+    return check
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_generate_in_predict_step_and_in_a_hook(tmp_path: Path) -> None:
+    """GPT-2's ``generate`` (greedy, with and without the key/value cache) and a generation loop of our own (nanoGPT)
+    in ``predict_step`` and at the end of every validation epoch during fit (weights outside the blocks kept where
+    used): every pass through the blocks runs as a pipelined forward, every rank gets one device's tokens (and
+    GPT-2's scores)."""
+    runs = [job(model, schedule=schedule, microbatches=4, dirpath=str(tmp_path / f"{model}-{schedule}"))
+            for model, schedule in
+            (("hf_gpt2_generate", "1f1b"), ("hf_gpt2_generate_no_cache", "1f1b"), ("hf_gpt2_generate", "zb_h1"),
+             ("nanogpt_generate", "1f1b"), ("nanogpt_generate", "interleaved_1f1b"))]
+    check_all(2, runs, [generated_as_on_one_device(run["kwargs"]["model"]) for run in runs], timeout=300)
+    check_all(4, [job("hf_gpt2_generate", schedule="1f1b", microbatches=4, dirpath=str(tmp_path / "4"))],
+              [generated_as_on_one_device("hf_gpt2_generate")], timeout=300)

@@ -21,6 +21,7 @@ everywhere. ``restore`` puts every weight back on every rank, from a rank that h
 
 from __future__ import annotations
 
+import functools
 import math
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -167,8 +168,9 @@ class _Unused(nn.Module):
     """
 
     def __init__(self, path: str, original: nn.Module, twin: nn.Module | None, dtypes: list[torch.dtype] | None,
-                 position: int, holders: Sequence[int]) -> None:
+                 position: int, holders: Sequence[int], placement: WeightPlacement) -> None:
         super().__init__()
+        self.__dict__["_placement"] = placement  # its eager sharing (see WeightPlacement.share_through)
         for key, value in vars(original).items():
             # plain values only: a forward set on the instance (a hook library's) must not bypass this stand-in
             if not key.startswith("_") and key != "training" and not callable(value):
@@ -192,6 +194,10 @@ class _Unused(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         path, twin, dtypes, position, holders, kind = self.__dict__["_unused"]
+        placement: WeightPlacement = self.__dict__["_placement"]
+        link = placement.share_through()
+        if link is not None:  # an eager pass: the output comes from a rank holding the weights
+            return link.broadcast(None, placement.global_rank_of(min(holders)), f"the output of `{path}`")
         if twin is None:
             raise PipelineConfigError(
                 f"`{path}` ({kind}) was called on pipeline rank {position}, where the first training step did not "
@@ -216,6 +222,17 @@ class _Unused(nn.Module):
         return f"{kind} held by pipeline rank(s) {list(holders)}" + (", shape-only stand-in" if twin else "")
 
 
+def _share_output(placement: WeightPlacement, source: int, path: str, module: nn.Module, args: Any,
+                  output: Any) -> Any:
+    """A held module's output in an eager pass: broadcast from pipeline position ``source``, the same on every rank
+    (see :meth:`WeightPlacement._share_held_outputs`)."""
+    link = placement.share_through()
+    if link is None:
+        return None
+    shared = link.broadcast(output, placement.global_rank_of(source), f"the output of `{path}`")
+    return None if placement.position == source else shared
+
+
 class WeightPlacement:
     """Where each weight outside the blocks of one split module is held (see the module doc).
 
@@ -235,6 +252,11 @@ class WeightPlacement:
         self._released: dict[int, tuple[nn.Parameter, torch.Size]] = {}  # id -> (weight, its shape when held)
         self._replaced: list[tuple[_Holder, _Unused]] = []
         self.observation: Observation | None = None
+        # set by the stage's session: the link over which a module outputs what another rank's stand-in of it needs
+        # in an eager pass (None outside such passes), and the global rank of a pipeline position in this replica
+        self.share_through: Callable[[], Any] = lambda: None
+        self.global_rank_of: Callable[[int], int] = lambda position: position
+        self._sharing: list[RemovableHandle] = []
 
     def _find_holders(self, module: nn.Module) -> dict[int, list[_Holder]]:
         watched = {id(p) for p in self.weights}
@@ -324,7 +346,23 @@ class WeightPlacement:
         lines = self._report(weights, released_here, kept_why)  # while the released weights still have their sizes
         self._release([p for p, r in zip(weights, released_here, strict=True) if r], replaceable, observation,
                       optimizers)
+        self._share_held_outputs()
         return lines
+
+    def _share_held_outputs(self) -> None:
+        """On this rank, each module it holds that some pipeline ranks stand in for broadcasts its output in eager
+        passes, from the first rank holding it (the stand-ins receive it)."""
+        for handle in self._sharing:
+            handle.remove()
+        self._sharing = []
+        for holder in self._holder_modules:
+            weights = list(holder.module.parameters())
+            if not weights or not all(id(p) in self.users for p in weights):
+                continue
+            positions = set().union(*(self.users[id(p)] for p in weights))
+            if self.position in positions:
+                self._sharing.append(holder.module.register_forward_hook(
+                    functools.partial(_share_output, self, min(positions), holder.path)))
 
     def _replaceable(self, weights: list[nn.Parameter], releasable: set[int],
                      observation: Observation) -> tuple[set[int], dict[str, str]]:
@@ -360,7 +398,7 @@ class WeightPlacement:
             twin = meta_twin(holder.module) if key in observation.called else None
             holders = sorted(set().union(*(self.users[id(p)] for p in holder.module.parameters())))
             stand_in = _Unused(holder.path, holder.module, twin, observation.output_dtypes.get(key), self.position,
-                               holders)
+                               holders, self)
             for parent, name in holder.places:
                 setattr(parent, name, stand_in)
             self._replaced.append((holder, stand_in))
@@ -408,6 +446,9 @@ class WeightPlacement:
         re-allocated and filled from the first position holding it.
         """
         self.cancel()
+        for handle in self._sharing:
+            handle.remove()
+        self._sharing = []
         for holder, _ in self._replaced:
             for parent, name in holder.places:
                 setattr(parent, name, holder.module)

@@ -46,7 +46,7 @@ __all__ = ["ResultExchange", "outputs_read"]
 _INLINE = 13
 _MESSAGE_LEN = 3 + _INLINE
 # flags: the records' layout follows (pickled); outputs follow; their structure follows (pickled)
-_LAYOUT, _OUTPUTS, _STRUCTURE = 1, 2, 4
+_LAYOUT, _OUTPUTS, _STRUCTURE, _AGAIN = 1, 2, 4, 8  # _AGAIN: the step runs again, eagerly (see model/eager.py)
 _PLAIN = (type(None), bool, int, float, str)
 
 _BATCH_END = {"training_step": "on_train_batch_end", "validation_step": "on_validation_batch_end",
@@ -139,16 +139,17 @@ class ResultExchange:
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item())
 
-    def share(self, loss: float | None, records: list[LogRecord], outputs: Any,
-              send_outputs: bool) -> tuple[float, list[LogRecord], Any]:
-        """On the source, send ``loss`` (``None``: no loss), ``records`` and, if ``send_outputs``, ``outputs``;
-        elsewhere the arguments are ignored (but ``send_outputs`` must be the same on every stage). Returns what
-        the source sent, on every stage: the outputs are ``None`` where they were not sent."""
+    def share(self, loss: float | None, records: list[LogRecord], outputs: Any, send_outputs: bool,
+              again: bool = False) -> tuple[float, list[LogRecord], Any, bool]:
+        """On the source, send ``loss`` (``None``: no loss), ``records`` and, if ``send_outputs``, ``outputs``, or
+        (``again``) that the step must run again, eagerly; elsewhere the arguments are ignored (but ``send_outputs``
+        must be the same on every stage). Returns what the source sent, on every stage: the outputs are ``None``
+        where they were not sent."""
         layout, numbers = split_records(records) if self.is_source else (self._layout, [])
         structure: _Flat | None = None
         tensors: list[Tensor] = []
         if self.is_source:
-            flags = _LAYOUT if layout != self._layout else 0
+            flags = (_LAYOUT if layout != self._layout else 0) | (_AGAIN if again else 0)
             if send_outputs and outputs is not None:
                 structure, tensors = _structure(outputs)
                 flags |= _OUTPUTS if self._structure is not None and _same(structure, self._structure) \
@@ -186,7 +187,7 @@ class ResultExchange:
                 dist.broadcast(pack(tensors, self.device), self.source, group=self.group)
         else:
             outputs = self._receive_outputs() if flags & _OUTPUTS else None
-        return math.nan if loss is None else loss, join_records(layout, numbers), outputs
+        return math.nan if loss is None else loss, join_records(layout, numbers), outputs, bool(flags & _AGAIN)
 
     def _receive_outputs(self) -> Any:
         assert self._structure is not None

@@ -15,11 +15,13 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
+from lightning_pp import _compat
 from lightning_pp._logs import HookLogs, LogRecorder
 from lightning_pp.actions import Schedule
 from lightning_pp.checkpoint import StageCheckpoints
 from lightning_pp.grads import add_to_grads
 from lightning_pp.model.assembly import StageAssembly, place_outside_weights, placement_of, set_aside_example_input
+from lightning_pp.model.eager import EagerLink
 from lightning_pp.model.results import outputs_read
 from lightning_pp.model.step import StepDriver
 from lightning_pp.options import PipelineOptions
@@ -55,6 +57,8 @@ def release(assembly: StageAssembly) -> None:
         assembly.placing.cancel()
     assembly.grads.uninstall()
     assembly.partition.view.sides.remove()
+    view = assembly.partition.view
+    view.eager, view.rank_of = None, int  # outside a run, the blocks refuse to run again
 
 
 class StageSession:
@@ -77,6 +81,8 @@ class StageSession:
             stage_to_rank = schedules(microbatches, False).stage_to_rank
             p2p = connect_stages(groups, stage_to_rank, device, options.transfer_timeout, lambda ranks: (
                 dist.new_group(ranks, backend="gloo", timeout=options.group_timeout)))
+        if pipelined:
+            self._connect_eager(options, stage_to_rank)
         self.recorder = LogRecorder()
         self.recorder.attach(module, groups if pipelined else None)
         self._hook_logs = HookLogs(groups.pipeline) if pipelined and _logs_around_optimizer_step(module) else None
@@ -92,6 +98,18 @@ class StageSession:
         self._example_input = set_aside_example_input(module, rank) if fitting and pipelined else None
         telemetry.device, telemetry.stage, telemetry.replica = device, self.stage, layout.replica_of(rank)
         telemetry.object_group, telemetry.view = object_group(), partition.view
+
+    def _connect_eager(self, options: PipelineOptions, stage_to_rank: Sequence[int]) -> None:
+        """Passes through the blocks outside the pipelined micro-batches (see :mod:`lightning_pp.model.eager`)."""
+        view, layout, replica = self.assembly.partition.view, self.layout, self.layout.replica_of(self.rank)
+        view.eager = EagerLink(self.assembly.groups.pipeline, self.device, options.transfer_timeout,
+                               where=lambda: f"stage {self.stage} (rank {self.rank})",
+                               hook=lambda: _compat.current_hook(self.module))
+        view.rank_of = lambda stage: layout.rank(stage_to_rank[stage], replica)
+        placement = self.assembly.placement
+        if placement is not None:
+            placement.share_through = view.sharing_outputs
+            placement.global_rank_of = lambda position: layout.rank(position, replica)
 
     def decide_outputs(self, step_name: str, collective: Collective) -> None:
         """Send the step's outputs from the last stage to the others only if something there reads them."""

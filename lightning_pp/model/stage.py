@@ -30,9 +30,10 @@ from lightning_pp import _compat
 from lightning_pp._remote import marked_remote
 from lightning_pp._tree import map_tensors
 from lightning_pp.errors import PipelineConfigError
+from lightning_pp.model.eager import EagerLink
 from lightning_pp.model.sides import SideOutputs, Sides, not_ours, ours, split_sides
 
-__all__ = ["Mode", "StageOutput", "StageView", "meta_twin"]
+__all__ = ["Mode", "SeveralPasses", "StageOutput", "StageView", "meta_twin"]
 
 
 class StageOutput(BaseException):  # a control-flow signal, not an error
@@ -48,9 +49,34 @@ class StageOutput(BaseException):  # a control-flow signal, not an error
         self.sides = sides
 
 
+def _holds_objects(value: Any) -> bool:
+    """Whether ``value`` (a call's arguments) holds something besides tensors, plain values and their containers."""
+    if isinstance(value, (tuple, list)):
+        return any(_holds_objects(v) for v in value)
+    if isinstance(value, dict):
+        return any(_holds_objects(v) for v in value.values())
+    return not isinstance(value, (torch.Tensor, type(None), bool, int, float, str))
+
+
+def _on_meta(value: Any) -> Any:
+    """``value`` with its tensors (in tuples, lists and dicts) as meta tensors, everything else as it is (a cache)."""
+    if isinstance(value, torch.Tensor):
+        return value.detach().as_subclass(torch.Tensor).to("meta")
+    if type(value) in (tuple, list):
+        return type(value)(_on_meta(v) for v in value)
+    if type(value) is dict:
+        return {k: _on_meta(v) for k, v in value.items()}
+    return value
+
+
 def _fresh(received: Any) -> Any:
     """``received`` with a fresh tensor for each that needs gradients (not the received leaf itself)."""
     return map_tensors(received, lambda t: t.clone() if t.requires_grad else t)
+
+
+class SeveralPasses(BaseException):  # a control-flow signal, not an error
+    """Raised when the step run on the whole batch on the last stage passes through the blocks a second time
+    (generation): the step then runs again, eagerly, on every stage (see :mod:`lightning_pp.model.eager`)."""
 
 
 def _by_block(sides: Sides) -> dict[int, Sides]:
@@ -64,6 +90,7 @@ class Mode(enum.Enum):
     OFF = "off"  # outside a pipelined step: stand-ins refuse to run
     MICROBATCH = "microbatch"  # one micro-batch through this stage's blocks
     FINISH = "finish"  # evaluation on the last stage: every block returns the joined output of all micro-batches
+    EAGER = "eager"  # a step whose passes run now, on the whole batch, every rank in step (see model/eager.py)
 
 
 def meta_twin(module: nn.Module) -> nn.Module:
@@ -128,6 +155,8 @@ class _StandIn(nn.Module):
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
         view, index, owner, _, _ = self.__dict__["_pipeline"]
+        if view.eager_now():
+            return view.eager_stand_in(index, owner, self, args, kwargs)
         return view.stand_in_output(index, owner, self)
 
     def __getattr__(self, name: str) -> Any:
@@ -188,6 +217,13 @@ class StageView:
         self._received_sides: Sides = []  # what the blocks of earlier stages recorded, as received
         self._sides_of: dict[int, Sides] = {}  # those records by block, until its stand-in replays them
         self._boundary_output: Any = None  # the received activation: the output of the block before this stage's
+        # passes outside the pipelined micro-batches (see model/eager.py): the link over the pipeline (None: one
+        # stage), each stage's rank, passes run in the current eager step, passes since the last pipelined one
+        self.eager: EagerLink | None = None
+        self.rank_of: Callable[[int], int] = int  # set with the link
+        self.eager_passes = 0
+        self.passes_at_rest = 0
+        self._finish_passes = 0
         self.keys = _compat.child_names(container)
         owner = {i: s for s, blocks in enumerate(ranges) for i in blocks}
         self._local_blocks: dict[str, nn.Module] = {}
@@ -228,6 +264,51 @@ class StageView:
     def local_blocks(self) -> list[nn.Module]:
         return list(self._local_blocks.values())
 
+    def eager_now(self) -> bool:
+        """Whether a pass through the blocks runs eagerly now: in an eager step, or outside the pipelined steps when
+        there are several stages (a hook generating text)."""
+        return self.eager is not None and (self.mode is Mode.EAGER or self.mode is Mode.OFF)
+
+    def sharing_outputs(self) -> EagerLink | None:
+        """The link over which modules outside the blocks share their outputs now: within an eager pass (a step's,
+        or outside the steps once a pass has run there), else None."""
+        if self.eager is not None and (self.mode is Mode.EAGER or (self.mode is Mode.OFF and self.passes_at_rest)):
+            return self.eager
+        return None
+
+    def eager_stand_in(self, index: int, owner: int, stand_in: nn.Module, args: tuple[Any, ...],
+                       kwargs: dict[str, Any]) -> Any:
+        """What the stand-in of block ``index`` (held by stage ``owner``) returns in an eager pass: the real output
+        broadcast from the owner's rank where the block ends that stage, else zeros, marked, of its output's shape
+        (where the copy ran) or its input's.
+        Where the block gets an object besides tensors and plain values (a key/value cache), its weightless copy
+        runs on the meta device first, so that the object changes as on one device (a cache's length)."""
+        assert self.eager is not None
+        twin = stand_in.__dict__["_pipeline"][4]
+        stateful = _holds_objects((args, kwargs))
+        if stateful and twin is None:
+            raise PipelineConfigError(
+                f"Block {index} of `{self.container_name}` (held by stage {owner}) could not be copied, so a pass "
+                f"through the blocks outside the pipelined micro-batches (generation) cannot advance the state it is "
+                f"given here.")
+        shapes = None
+        if stateful:
+            with torch.no_grad():
+                shapes = twin(*_on_meta(args), **_on_meta(kwargs))
+        if index == self.ranges[owner][-1]:
+            output = self.eager.broadcast(None, self.rank_of(owner), f"the output of stage {owner}")
+            self._count_pass(index)
+            return output
+        if shapes is None:  # what the loop hands on is ignored by the next stand-in: the input's shape will do
+            shapes = args[0] if args else next(iter(kwargs.values()))
+        device = self.eager.device
+        return map_tensors(shapes, lambda t: marked_remote(torch.zeros(t.shape, dtype=t.dtype, device=device)))
+
+    def _count_pass(self, index: int) -> None:
+        if index == len(self.keys) - 1:
+            self.eager_passes += 1
+            self.passes_at_rest += self.mode is Mode.OFF
+
     def stand_in_output(self, index: int, owner: int, stand_in: nn.Module) -> Any:
         """What the stand-in of block ``index`` returns: the received activation where it is that block's output
         (the block just before this stage's own, or in the finish the container's last), else marked
@@ -235,11 +316,12 @@ class StageView:
         if self.mode is Mode.OFF:
             raise PipelineConfigError(
                 f"Block {index} of `{self.container_name}` is held by pipeline stage {owner} (this is stage "
-                f"{self.stage}): the blocks can only run inside a pipelined training, validation, test or predict "
-                f"step, not from other hooks (such as on_validation_epoch_end or a sample generation callback). "
-                f"Compute what you need inside the step and log it. (Where the module sets `example_input_array`, "
-                f"the pass Lightning's model summary makes on it when fit starts is skipped for you; other code "
-                f"running the module on it, such as `to_onnx`, cannot run pipelined.)"
+                f"{self.stage}): the blocks run only while a Trainer runs the module with PipelineParallelStrategy "
+                f"(in its steps and hooks, on every rank), not after `fit`, `validate`, `test` or `predict` has "
+                f"returned. Run the code in a hook (on_validation_epoch_end, on_train_end), or load the checkpoint "
+                f"into the module on one device. (Where the module sets `example_input_array`, the pass Lightning's "
+                f"model summary makes on it when fit starts is skipped for you; other code running the module on it, "
+                f"such as `to_onnx`, cannot run pipelined.)"
             )
         if self._received is None:
             raise PipelineConfigError(
@@ -251,6 +333,10 @@ class StageView:
             # a fresh tensor, not the received leaf itself: the first block may work in place (ReLU(inplace=True))
             self._handed = _fresh(self._received)
         if index == (len(self.keys) - 1 if self.mode is Mode.FINISH else self.local.start - 1):
+            if self.mode is Mode.FINISH:
+                self._finish_passes += 1
+                if self._finish_passes > 1:
+                    raise SeveralPasses()
             return self._handed
         return _fresh(recorded) if recorded is not None else map_tensors(self._handed, marked_remote)
 
@@ -262,6 +348,11 @@ class StageView:
                 self.on_blocks_start()
 
     def _after_last_block(self, stage: int, module: nn.Module, args: Any, output: Any) -> None:
+        if self.eager_now():
+            assert self.eager is not None
+            self.eager.broadcast(output, self.rank_of(stage), f"the output of stage {stage}")
+            self._count_pass(self.ranges[stage][-1])
+            return
         if self.mode is not Mode.MICROBATCH or stage != self.stage:
             return
         self.last_block_calls += 1
@@ -294,6 +385,7 @@ class StageView:
         self._sides_of = _by_block(self._received_sides)
         self.mode, self._received, self._handed = Mode.MICROBATCH, received, None
         self.stop_after_blocks, self.last_block_calls = stop_after_blocks, 0
+        self.passes_at_rest = 0
         try:
             with self.pass_context():
                 yield
@@ -304,12 +396,23 @@ class StageView:
             self._swap(others, to_stand_ins=False)
 
     @contextmanager
+    def eager_step(self) -> Iterator[None]:
+        """Run a step's passes through the blocks eagerly (see :mod:`lightning_pp.model.eager`); afterwards
+        :attr:`eager_passes` says how many it made."""
+        self.mode, self.eager_passes, self.passes_at_rest = Mode.EAGER, 0, 0
+        try:
+            yield
+        finally:
+            self.mode = Mode.OFF
+
+    @contextmanager
     def finishing(self, joined: Any, sides: Sides) -> Iterator[None]:
         """Run the user's step once on the whole batch: every block, this rank's too, returns ``joined``, and the
         hooks inside the blocks get ``sides``, every block's records joined over the micro-batches."""
         self._swap(list(self._local_blocks), to_stand_ins=True)
         self.mode, self._received, self._handed = Mode.FINISH, joined, joined
         self._sides_of = _by_block(sides)
+        self._finish_passes, self.passes_at_rest = 0, 0
         try:
             yield
         finally:

@@ -29,7 +29,7 @@ from lightning_pp.errors import PipelineConfigError
 from lightning_pp.microbatch import batch_size, merge_microbatches, split_batch
 from lightning_pp.model.results import ResultExchange
 from lightning_pp.model.sides import Sides, joined_sides, with_sides
-from lightning_pp.model.stage import StageOutput, StageView
+from lightning_pp.model.stage import SeveralPasses, StageOutput, StageView
 from lightning_pp.p2p import StageP2P
 from lightning_pp.runtime import run_stage, step_clock
 from lightning_pp.timeline import TimelineEvent
@@ -39,6 +39,7 @@ __all__ = ["StepDriver", "StepRandomness"]
 
 # what an evaluation forward on the last stage hands the runtime (nothing to send)
 _NOTHING = torch.empty(0, device="cpu")
+_AGAIN = object()  # the last stage's evaluation result when the step passed through the blocks several times
 
 
 class StepRandomness:
@@ -107,6 +108,8 @@ class StepDriver:
         self._warned_small_batch = False
         self._exchange = ResultExchange(groups, device) if groups is not None else None
         self._send_outputs: dict[str, bool] = {}  # per step name: whether the outputs go to every stage
+        # the evaluation steps that passed through the blocks several times: from then on they run eagerly
+        self._several_passes: set[str] = set()
 
     def decide_outputs(self, step_name: str, read_here: bool) -> bool:
         """Agree with the pipeline's other stages (every stage calls this) whether ``step_name``'s outputs are sent to
@@ -122,6 +125,8 @@ class StepDriver:
         loss and ``self.log`` calls reach every stage; its outputs (what an evaluation step returns, a training step's
         dict entries beyond the loss) only where :meth:`decide_outputs` said so, elsewhere the other stages return
         ``None`` (training: the loss alone)."""
+        if step_name in self._several_passes:
+            return self._run_eagerly(step_name, args, kwargs)
         step = _Step(self, step_name, args, kwargs, accumulation=accumulation, scaler=scaler)
         events: list[TimelineEvent] | None = [] if step.training and timing_sink is not None else None
         self._run_schedule(step, events)
@@ -133,10 +138,23 @@ class StepDriver:
         elif self.holds_last:
             result, records = step.finish_evaluation()
         result, extra, records = self._share_results(step, result, extra, records, collective)
+        if result is _AGAIN:  # the step passed through the blocks several times: every stage runs it eagerly
+            self._several_passes.add(step_name)
+            return self._run_eagerly(step_name, args, kwargs)
         replay(self.module, records, updated_here=self.holds_last)
         if events is not None and timing_sink is not None:
             timing_sink(events, step.total)
         return step.returned(result, extra)
+
+    def _run_eagerly(self, step_name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
+        """An evaluation step on the whole batch on every rank, each pass through the blocks run eagerly (see
+        :mod:`lightning_pp.model.eager`): what several passes need (generation)."""
+        self.steps_run += 1
+        self.randomness.begin_step(self.steps_run)
+        with self.view.eager_step(), self.randomness.pass_(-1):
+            result = getattr(self.module, step_name)(*args, **kwargs)
+        refuse_remote(result, f"What {step_name} returned")
+        return move_data_to_device(result, self.device)
 
     def _run_schedule(self, step: _Step, events: list[TimelineEvent] | None) -> None:
         """Run this rank's actions of ``step``'s schedule; a training step's gradients end in :attr:`pending_grads`."""
@@ -171,9 +189,11 @@ class StepDriver:
         if self._exchange is None:
             return result, extra, records
         with collective("the broadcast of the step's results from the pipeline's last stage"):
-            sent_loss, records, sent = self._exchange.share(result if step.training else None, records,
-                                                            extra if step.training else result,
-                                                            self._send_outputs.get(step.name, True))
+            sent_loss, records, sent, again = self._exchange.share(
+                result if step.training else None, records, extra if step.training else result,
+                self._send_outputs.get(step.name, True) and result is not _AGAIN, again=result is _AGAIN)
+        if again:
+            return _AGAIN, None, []
         return (sent_loss, sent, records) if step.training else (sent, None, records)
 
     def _parameters_of(self, stage: int) -> list[torch.nn.Parameter]:
@@ -291,8 +311,12 @@ class _Step:
         recorded = [self.block_sides[mb] for mb in order]
         sides = joined_sides(recorded, self.sizes) if any(recorded) else []
         recording = driver.recorder.recording(driver.module, 0)
-        with driver.view.finishing(joined, sides), driver.randomness.pass_(-1), recording:
-            result = self.user_step(self.batch, *self.rest, **self.kwargs)
+        try:
+            with driver.view.finishing(joined, sides), driver.randomness.pass_(-1), recording:
+                result = self.user_step(self.batch, *self.rest, **self.kwargs)
+        except SeveralPasses:  # generation: the step runs again, eagerly, on every stage
+            driver.recorder.combine([self.total])  # what it logged so far is dropped
+            return _AGAIN, []
         refuse_remote(result, f"What {self.name} returned")
         return result, driver.recorder.combine([self.total])
 

@@ -1,0 +1,98 @@
+"""Time per generated token: Hugging Face ``generate`` in ``predict_step`` on one device against the pipeline.
+
+Run ``python benchmarks/generate.py`` (about a minute; ``--layers``, ``--width``, ``--tokens``, ``--devices``). It
+builds ``GPT2LMHeadModel`` from a small configuration (random init, nothing downloaded) and, in one process and then
+pipelined over ``p`` processes (gloo, one CPU thread each, ``PipelineParallelStrategy(schedule="1f1b")``), runs
+``trainer.predict`` on 3 batches of 4 prompts of 16 tokens, each ``generate``-ing ``--tokens`` tokens greedily with
+the key/value cache. Per batch, ``generate`` is timed inside ``predict_step`` on global rank 0 (host clock: CPU);
+the first batch is left out (it decides how the step runs, see the README's "Generation"). Printed: the median time
+per generated token, and its ratio to one device's. Pipelined, each pass through the blocks runs one stage after
+another and broadcasts every stage's output: the ideal is one device's time (no overlap is possible within one
+sequence's tokens), plus the broadcasts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import statistics
+import subprocess
+import sys
+import time
+from typing import Any
+
+
+def run(args: argparse.Namespace) -> None:
+    """One runner (launched by ``main``): prints ``RESULT {json}`` on global rank 0."""
+    import lightning as L
+    import torch
+    from torch.utils.data import DataLoader, TensorDataset
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    from lightning_pp import PipelineParallelStrategy
+
+    torch.set_num_threads(1)
+
+    class Generator(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            config = GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=4, vocab_size=512,
+                                n_positions=16 + args.tokens)
+            self.model = GPT2LMHeadModel(config)
+            self.seconds: list[float] = []
+
+        def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            start = time.perf_counter()
+            tokens = self.model.generate(batch[0], max_new_tokens=args.tokens, do_sample=False, use_cache=True,
+                                         pad_token_id=0)
+            self.seconds.append(time.perf_counter() - start)
+            return tokens
+
+    L.seed_everything(0, verbose=False)
+    module = Generator()
+    prompts = torch.randint(1, 512, (12, 16), generator=torch.Generator().manual_seed(1))
+    strategy: Any = "auto" if args.run_devices == 1 else PipelineParallelStrategy(schedule="1f1b", microbatches=2)
+    trainer = L.Trainer(accelerator="cpu", devices=args.run_devices, strategy=strategy, logger=False,
+                        enable_progress_bar=False, enable_model_summary=False)
+    outputs = trainer.predict(module, DataLoader(TensorDataset(prompts), batch_size=4))
+    if trainer.is_global_zero:
+        per_token = statistics.median(module.seconds[1:]) / args.tokens
+        print("RESULT " + json.dumps({"ms_per_token": 1000 * per_token,
+                                      "tokens": torch.cat(outputs).tolist()}), flush=True)  # type: ignore[arg-type]
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("--layers", type=int, default=8)
+    parser.add_argument("--width", type=int, default=256)
+    parser.add_argument("--tokens", type=int, default=32)
+    parser.add_argument("--devices", type=int, nargs="+", default=[2, 4], help="pipelined process counts")
+    parser.add_argument("--run-devices", type=int, default=0, help=argparse.SUPPRESS)  # a runner's own count
+    args = parser.parse_args()
+    if args.run_devices:
+        run(args)
+        return
+    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
+    results = {}
+    for devices in [1, *args.devices]:
+        print(f"[{devices} process(es)] ...", file=sys.stderr, flush=True)
+        command = [sys.executable, __file__, "--run-devices", str(devices), "--layers", str(args.layers),
+                   "--width", str(args.width), "--tokens", str(args.tokens)]
+        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+        line = next((out for out in done.stdout.splitlines() if out.startswith("RESULT ")), None)
+        if line is None:
+            raise SystemExit(f"the run on {devices} process(es) failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
+        results[devices] = json.loads(line[len("RESULT "):])
+    base = results[1]
+    print(f"\nGPT-2 ({args.layers} layers of width {args.width}), 3 batches of 4 prompts x 16 tokens, {args.tokens} "
+          f"tokens each, greedy with the cache; CPU, gloo, one thread per process.\n")
+    print("| processes | ms per generated token | vs one device | same tokens as one device |")
+    print("|---|---|---|---|")
+    for devices, result in results.items():
+        print(f"| {devices} | {result['ms_per_token']:.2f} | {result['ms_per_token'] / base['ms_per_token']:.2f}x | "
+              f"{result['tokens'] == base['tokens']} |")
+
+
+if __name__ == "__main__":
+    main()
