@@ -218,10 +218,10 @@ class StageView:
         self._sides_of: dict[int, Sides] = {}  # those records by block, until its stand-in replays them
         self._boundary_output: Any = None  # the received activation: the output of the block before this stage's
         # passes outside the pipelined micro-batches (see model/eager.py): the link over the pipeline (None: one
-        # stage), each stage's rank, passes run in the current eager step, passes since the last pipelined one
+        # stage), each stage's rank, the passes made outside the steps since the last pipelined one, and the passes
+        # of the step the last stage finishes on the whole batch
         self.eager: EagerLink | None = None
         self.rank_of: Callable[[int], int] = int  # set with the link
-        self.eager_passes = 0
         self.passes_at_rest = 0
         self._finish_passes = 0
         self.keys = _compat.child_names(container)
@@ -305,9 +305,8 @@ class StageView:
         return map_tensors(shapes, lambda t: marked_remote(torch.zeros(t.shape, dtype=t.dtype, device=device)))
 
     def _count_pass(self, index: int) -> None:
-        if index == len(self.keys) - 1:
-            self.eager_passes += 1
-            self.passes_at_rest += self.mode is Mode.OFF
+        if index == len(self.keys) - 1 and self.mode is Mode.OFF:
+            self.passes_at_rest += 1
 
     def stand_in_output(self, index: int, owner: int, stand_in: nn.Module) -> Any:
         """What the stand-in of block ``index`` returns: the received activation where it is that block's output
@@ -397,9 +396,8 @@ class StageView:
 
     @contextmanager
     def eager_step(self) -> Iterator[None]:
-        """Run a step's passes through the blocks eagerly (see :mod:`lightning_pp.model.eager`); afterwards
-        :attr:`eager_passes` says how many it made."""
-        self.mode, self.eager_passes, self.passes_at_rest = Mode.EAGER, 0, 0
+        """Run a step's passes through the blocks eagerly (see :mod:`lightning_pp.model.eager`)."""
+        self.mode, self.passes_at_rest = Mode.EAGER, 0
         try:
             yield
         finally:
