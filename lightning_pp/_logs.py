@@ -188,11 +188,7 @@ class LogRecorder:
                  if microbatch is not None else [])
 
         def log(*args: Any, **kwargs: Any) -> None:
-            bound = _LOG_SIGNATURE.bind(module, *args, **kwargs)
-            bound.apply_defaults()
-            options = dict(bound.arguments)
-            options.pop("self")
-            name, value = options.pop("name"), options.pop("value")
+            name, value, options = _log_arguments(module, args, kwargs)
             if microbatch is None:
                 return
             if isinstance(value, Metric):
@@ -261,6 +257,16 @@ class LogRecorder:
         return records
 
 
+def _log_arguments(module: pl.LightningModule, args: tuple[Any, ...], kwargs: dict[str, Any]
+                   ) -> tuple[str, Any, dict[str, Any]]:
+    """A ``self.log(...)`` call's name, value and other arguments (defaults filled in)."""
+    bound = _LOG_SIGNATURE.bind(module, *args, **kwargs)
+    bound.apply_defaults()
+    options = dict(bound.arguments)
+    options.pop("self")
+    return options.pop("name"), options.pop("value"), options
+
+
 @contextmanager
 def _logging_through(module: pl.LightningModule, log: Any) -> Iterator[None]:
     """``module.log`` is ``log`` within the block; what it was before (another recording's) afterwards."""
@@ -304,11 +310,7 @@ class HookLogs:
         calls: list[tuple[str, float, dict[str, Any]]] = []
 
         def log(*args: Any, **kwargs: Any) -> None:
-            bound = _LOG_SIGNATURE.bind(module, *args, **kwargs)
-            bound.apply_defaults()
-            options = dict(bound.arguments)
-            options.pop("self")
-            name, value = options.pop("name"), options.pop("value")
+            name, value, options = _log_arguments(module, args, kwargs)
             if isinstance(value, Metric):  # a metric's state is the pipeline's already (see _StateFromLastStage)
                 type(module).log(module, name, value, **options)
             else:
