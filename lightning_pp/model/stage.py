@@ -87,7 +87,7 @@ def _by_block(sides: Sides) -> dict[int, Sides]:
 
 
 class Mode(enum.Enum):
-    OFF = "off"  # outside a pipelined step: stand-ins refuse to run
+    OFF = "off"  # outside a pipelined step: eager passes while a run is connected (see model/eager.py), else refused
     MICROBATCH = "microbatch"  # one micro-batch through this stage's blocks
     FINISH = "finish"  # evaluation on the last stage: every block returns the joined output of all micro-batches
     EAGER = "eager"  # a step whose passes run now, on the whole batch, every rank in step (see model/eager.py)
