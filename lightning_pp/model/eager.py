@@ -25,7 +25,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from lightning_pp._tree import flatten, unflatten
+from lightning_pp._tree import flatten, pack, packed_size, unflatten, unpack
 from lightning_pp.errors import PipelineCommError
 
 __all__ = ["EagerLink"]
@@ -58,15 +58,15 @@ class EagerLink:
         data = (torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device) if mine
                 else torch.empty(int(size.item()), dtype=torch.uint8, device=self.device))
         self._broadcast(data, source, what)
-        spec, layout = json.loads(data.cpu().numpy().tobytes().decode())
-        if not mine:
-            tensors = [torch.empty(shape, dtype=_DTYPES[dtype], device=self.device) for dtype, shape in layout]
-        sent = []
-        for tensor in tensors:
-            buffer = tensor.detach().contiguous().to(self.device)
-            self._broadcast(buffer, source, what)
-            sent.append(buffer)
-        return value if mine else unflatten(spec, sent)
+        spec, described = json.loads(data.cpu().numpy().tobytes().decode())
+        layout = [(_DTYPES[dtype], shape) for dtype, shape in described]
+        if not layout:
+            return value if mine else unflatten(spec, [])
+        # the tensors travel packed in one buffer: one collective, whatever their number
+        payload = (pack([t.detach() for t in tensors], self.device) if mine
+                   else torch.empty(packed_size(layout), dtype=torch.uint8, device=self.device))
+        self._broadcast(payload, source, what)
+        return value if mine else unflatten(spec, unpack(payload, layout))
 
     def _broadcast(self, tensor: torch.Tensor, source: int, what: str) -> None:
         try:

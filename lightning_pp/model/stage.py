@@ -59,14 +59,8 @@ def _holds_objects(value: Any) -> bool:
 
 
 def _on_meta(value: Any) -> Any:
-    """``value`` with its tensors (in tuples, lists and dicts) as meta tensors, everything else as it is (a cache)."""
-    if isinstance(value, torch.Tensor):
-        return value.detach().as_subclass(torch.Tensor).to("meta")
-    if type(value) in (tuple, list):
-        return type(value)(_on_meta(v) for v in value)
-    if type(value) is dict:
-        return {k: _on_meta(v) for k, v in value.items()}
-    return value
+    """``value`` with its tensors as plain meta tensors, everything else (a cache) as it is."""
+    return _compat.tree_map_tensors(value, lambda t: t.detach().as_subclass(torch.Tensor).to("meta"))
 
 
 def _fresh(received: Any) -> Any:
