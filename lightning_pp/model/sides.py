@@ -120,8 +120,7 @@ class _Recorder:
     def __call__(self, module: nn.Module, args: Any, output: Any) -> None:
         sides = self.sides
         # the hooks may have gone since (a user's handle removed): then nothing is recorded
-        if self.index in sides._recording and (sides.records_output(module) if not self.path
-                                               else _foreign_hooks(module)):
+        if self.index in sides._recording and sides.records(module, self.path):
             sides.recorded.append([self.index, self.path, output])
 
 
@@ -141,14 +140,18 @@ class SideOutputs:
         for index, block in blocks:
             self._recording.add(index)
             for path, module in block.named_modules():
-                wanted = self.records_output(module) if not path else bool(_foreign_hooks(module))
-                if wanted and id(module) not in self._watched:
+                if self.records(module, path) and id(module) not in self._watched:
                     self._watched[id(module)] = module.register_forward_hook(_Recorder(self, index, path),
                                                                              prepend=True)
 
     def records_output(self, block: nn.Module) -> bool:
         """Whether the output of ``block`` (or its stand-in) is recorded where it runs."""
         return self.every_block or bool(_foreign_hooks(block))
+
+    def records(self, module: nn.Module, path: str) -> bool:
+        """Whether the output of ``module``, at ``path`` in its block ("": the block), is recorded: a submodule's
+        while it has hooks, the block's also with ``every_block``."""
+        return self.records_output(module) if not path else bool(_foreign_hooks(module))
 
     def stop(self) -> Sides:
         recorded, self.recorded, self._recording = self.recorded, [], set()
