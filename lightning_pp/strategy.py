@@ -223,7 +223,8 @@ class PipelineParallelStrategy(ParallelStrategy):
                                 self.object_group),
             recompute_every=self.options.recompute_every,
             device=self.root_device, new_group=self._new_group, to_device=self._convert_and_move,
-            place_where_used=fitting and self.num_stages > 1 and self.options.outside_weights == "where_used")
+            place_where_used=fitting and self.num_stages > 1 and self.options.outside_weights == "where_used",
+            loading_checkpoint=trainer.ckpt_path is not None, object_group=self.object_group)
         try:
             if fitting:
                 setup_optimizers_everywhere(lambda: self.setup_optimizers(trainer), module, assembly.partition,
@@ -246,6 +247,18 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     def _new_group(self, ranks: list[int]) -> Any:
         return dist.new_group(ranks, backend=self._process_group_backend, timeout=self.options.group_timeout)
+
+    @override
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        """``trainer.init_module(empty_init=True)`` builds on the meta device: setup gives each rank storage for only
+        what its stage holds, and initializes it (see :mod:`lightning_pp.model.materialize`)."""
+        if not empty_init:
+            with super().tensor_init_context(empty_init):
+                yield
+            return
+        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+            yield
 
     @override
     def model_to_device(self) -> None:

@@ -16,7 +16,7 @@ from lightning_pp import _compat
 from lightning_pp._nccl_emulation import ENV_VAR, emulating_nccl
 
 __all__ = ["PipelineLayout", "StageGroups", "broadcast_object", "create_groups", "create_sharing_groups",
-           "start_process_group"]
+           "gather_reports", "start_process_group"]
 
 log = logging.getLogger(__name__)
 
@@ -181,3 +181,13 @@ def broadcast_object(obj: Any, src: int, group: Any) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src, group=group)
     return box[0]
+
+
+def gather_reports(report: str | None, world_size: int, group: Any) -> list[str]:
+    """Every rank's ``report`` (None: nothing to report), distinct and in rank order, on every rank: so that a failure
+    on some ranks becomes an error on all of them before the next collective, and none is left waiting."""
+    if world_size == 1:
+        return [report] if report is not None else []
+    reports: list[str | None] = [None] * world_size
+    dist.all_gather_object(reports, report, group=group)
+    return list(dict.fromkeys(r for r in reports if r is not None))

@@ -349,6 +349,36 @@ class ParameterlessStage(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
 
+class Gain(nn.Module):
+    """A learned per-feature gain with no ``reset_parameters``: built on the meta device, nothing can initialize it."""
+
+    def __init__(self, features: int) -> None:
+        super().__init__()
+        self.gain = nn.Parameter(torch.ones(features))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.gain
+
+
+class GainOnLastStage(MLPClassifier):
+    """MLPClassifier with a `Gain` in the blocks of the second of two stages."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), Gain(16))
+
+
+class Wide(MLPClassifier):
+    """16 blocks of 1024 x 1024 (64 MiB of fp32 weights) between small layers: what a stage holds shows in the
+    process's memory."""
+
+    def __init__(self, width: int = 1024, blocks: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(10, width)
+        self.layers = nn.Sequential(*[nn.Linear(width, width) for _ in range(blocks)])
+        self.head = nn.Linear(width, 5)
+
+
 def _example_gpt() -> Any:
     """The GPT-style module of examples/train_gpt.py (attention, position embedding, head tied to the embedding)."""
     import sys
@@ -381,6 +411,8 @@ MODELS: dict[str, Callable[[], L.LightningModule]] = {
     "lifecycle": Lifecycle, "everyday": Everyday, "synced_metrics": SyncedMetrics, "bn_head": BatchNormHead,
     "bn_head_validated": BatchNormHeadValidated,
     "parameterless_stage": ParameterlessStage,
+    "gain_on_last_stage": GainOnLastStage,
+    "wide": Wide,
     "frozen_front": FrozenFront,
     "unfreezes_front": UnfreezesFront,
     "gpt": lambda: _example_gpt().GPT(vocab_size=len(set(_example_gpt().make_corpus(4000)))),
@@ -402,13 +434,17 @@ def fit(model_name: str, strategy: Any = "auto", devices: int = 1, max_steps: in
     """Seed, build, train (resuming from ``ckpt_path``, saving to ``save_to``); the same call runs the
     single-device reference and each pipelined rank."""
     L.seed_everything(seed, verbose=False)
-    model = MODELS[model_name]()
+    meta = trainer_kwargs.pop("meta", False)  # build under trainer.init_module(empty_init=True)
+    model = None if meta else MODELS[model_name]()
     logger = RecordingLogger()
     trainer = L.Trainer(
         accelerator=accelerator, devices=devices, strategy=strategy, max_steps=max_steps, logger=logger,
         **{"log_every_n_steps": 1, "enable_checkpointing": False, "enable_progress_bar": False,
            "enable_model_summary": False, "num_sanity_val_steps": 0, **trainer_kwargs},
     )  # fmt: skip
+    if model is None:
+        with trainer.init_module(empty_init=True):
+            model = MODELS[model_name]()
     data = None if model_name in OWN_TRAIN_DATA else make_data(model_name, batch_size=batch_size)
     trainer.fit(model, data, ckpt_path=ckpt_path)
     if save_to is not None:

@@ -1008,6 +1008,18 @@ def compiled_graphs() -> int:
 
 
 # --------------------------------------------------------------------------------------------- the runs compared
+def with_sgd(model: type[L.LightningModule]) -> L.LightningModule:
+    """``model`` trained with SGD, whose parameters can be compared element-wise (AdamW turns fp32 noise in near-zero
+    gradients into full steps)."""
+
+    class WithSGD(model):  # type: ignore[misc, valid-type]
+        def configure_optimizers(self) -> Any:
+            return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    WithSGD.__name__ = WithSGD.__qualname__ = f"{model.__name__}WithSGD"
+    return WithSGD()
+
+
 @dataclass(frozen=True)
 class Spec:
     """How a model of this file is trained, the same for the single-device reference and every pipelined rank."""
@@ -1019,6 +1031,7 @@ class Spec:
     monitor: str = "val_ppl"
     finetune: bool = False  # BackboneFinetuning, unfreezing at epoch 1
     predict: bool = False  # after fit, predict on the validation batches
+    meta: bool = False  # built on the meta device: under trainer.init_module(empty_init=True), or by hand on one device
 
 
 SPECS: dict[str, Spec] = {
@@ -1026,6 +1039,8 @@ SPECS: dict[str, Spec] = {
     "hf_gpt2_dropout": Spec(lambda: HFGPT2(dropout=True), max_steps=12, max_epochs=3),
     "hf_gpt2_padded": Spec(PaddedHFGPT2),
     "nanogpt": Spec(NanoGPT),
+    "hf_gpt2_meta": Spec(lambda: with_sgd(HFGPT2), meta=True),
+    "nanogpt_meta": Spec(lambda: with_sgd(NanoGPT), meta=True),
     "tuple_carry": Spec(TupleCarry),
     "tuple_output": Spec(TupleOutput),
     "dict_state": Spec(DictState),
@@ -1055,6 +1070,24 @@ SPECS: dict[str, Spec] = {
 MODELS.update({name: spec.build for name, spec in SPECS.items()})
 
 
+def _build(spec: Spec, strategy: Any) -> L.LightningModule:
+    """The spec's module; a meta one is built as a user would: under the strategy's ``init_module(empty_init=True)``
+    when pipelined, else on the meta device and materialized as lightning_pp materializes a stage."""
+    if not spec.meta:
+        return spec.build()
+    if strategy == "auto":
+        from lightning_pp.model.materialize import materialize
+
+        with torch.device("meta"):
+            module = spec.build()
+        assert materialize(module, torch.device("cpu"), loading_checkpoint=False) is None
+        return module
+    with strategy.tensor_init_context(empty_init=True):  # what trainer.init_module(empty_init=True) enters
+        module = spec.build()
+    assert next(module.parameters()).is_meta
+    return module
+
+
 def run(name: str, strategy: Any = "auto", devices: int = 1, dirpath: str | None = None,
         replay: list[torch.Tensor] | None = None) -> dict[str, Any]:
     """Seed, build and train model ``name`` as ``SPECS`` says; return what the tests compare: this process's state
@@ -1063,7 +1096,7 @@ def run(name: str, strategy: Any = "auto", devices: int = 1, dirpath: str | None
     for a denoiser to use, one tensor per step, instead of drawing its own."""
     spec = SPECS[name]
     L.seed_everything(7, verbose=False)
-    module = spec.build()
+    module = _build(spec, strategy)
     if replay is not None:
         assert isinstance(module, Denoiser)
         module.replay = list(replay)

@@ -75,6 +75,41 @@ def _train(strategy: Any, model: str, max_steps: int, batch_size: int, trainer: 
             "layout": {name: getattr(used, name, None) for name in ("stage", "replica", "num_stages", "num_replicas")}}
 
 
+def meta_memory(**strategy: Any) -> dict[str, Any]:
+    """Fit `models.Wide` built on the meta device for one step; return how far this process's peak resident memory
+    rose above its resident memory before the build by the start of training (Linux: the peak is reset there), the
+    bytes of the module's tensors there, and the whole model's bytes."""
+    from pathlib import Path
+
+    import lightning as L
+    from models import MODELS, make_data
+
+    def resident_kib(field: str) -> int:  # VmRSS: now; VmHWM: the peak since the last reset
+        line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field))
+        return int(line.split()[1])
+
+    seen: dict[str, int] = {}
+
+    class AtTrainStart(L.Callback):
+        def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+            seen["peak"] = resident_kib("VmHWM:") * 1024
+            seen["held"] = sum(t.numel() * t.element_size() for t in (*pl_module.parameters(), *pl_module.buffers())
+                               if not t.is_meta)
+
+    L.seed_everything(7, verbose=False)
+    trainer = L.Trainer(accelerator="cpu", devices=DEVICES, max_steps=1, logger=False, enable_checkpointing=False,
+                        enable_progress_bar=False, enable_model_summary=False, callbacks=[AtTrainStart()],
+                        strategy=PipelineParallelStrategy(timeout=60, **strategy))
+    Path("/proc/self/clear_refs").write_text("5")  # reset the peak to the present
+    before = resident_kib("VmRSS:") * 1024
+    with trainer.init_module(empty_init=True):
+        module = MODELS["wide"]()
+    whole = sum(p.numel() * p.element_size() for p in module.parameters())
+    trainer.fit(module, make_data("wide"))
+    return {"growth": seen["peak"] - before, "held": seen["held"], "whole": whole,
+            "finite": all(bool(p.isfinite().all()) for p in module.parameters())}
+
+
 def fit_then_validate(model: str, timeout: float = 60, **strategy: Any) -> dict[str, Any]:
     """Fit, then ``trainer.validate`` the same module (a later run on it); return what validate returned."""
     from models import fit, make_data

@@ -186,7 +186,9 @@ def test_gpt2_and_nanogpt_every_schedule(world_size: int) -> None:
     a cache; head tied to ``wte``) and a nanoGPT module (``transformer.h`` inside an ``nn.ModuleDict``, boolean mask),
     found automatically, under every schedule; on 2 stages also the container named by ``blocks=`` and by the
     ``sequential=`` alias, GPT-2 with dropout (default GPT2Config), which must train, not match, and GPT-2 on padded
-    sequences (labels -100 on the padding) with ``microbatch_weight`` counting each micro-batch's real tokens."""
+    sequences (labels -100 on the padding) with ``microbatch_weight`` counting each micro-batch's real tokens; and both
+    built on the meta device (``trainer.init_module(empty_init=True)``), each rank materializing its own stage, against
+    one device materializing the whole model alike."""
     runs = [job(model, schedule=schedule, microbatches=world_size * (2 if schedule == "1f1b" else 1))
             for model in ("hf_gpt2", "nanogpt") for schedule in SCHEDULE_NAMES]
     checks = [matches(run["kwargs"]["model"]) for run in runs]
@@ -195,9 +197,11 @@ def test_gpt2_and_nanogpt_every_schedule(world_size: int) -> None:
                  job("nanogpt", blocks="transformer.h", schedule="gpipe", microbatches=4),
                  job("nanogpt", sequential="transformer.h", schedule="1f1b", microbatches=2),
                  job("hf_gpt2_dropout", schedule="1f1b", microbatches=2),
-                 job("hf_gpt2_padded", schedule="1f1b", microbatches=4, microbatch_weight="label_tokens")]
+                 job("hf_gpt2_padded", schedule="1f1b", microbatches=4, microbatch_weight="label_tokens"),
+                 job("hf_gpt2_meta", schedule="1f1b", microbatches=2),
+                 job("nanogpt_meta", schedule="gpipe", microbatches=2)]
         checks += [matches("hf_gpt2"), matches("nanogpt"), matches("nanogpt"), dropout_trains,
-                   matches("hf_gpt2_padded")]
+                   matches("hf_gpt2_padded"), matches("hf_gpt2_meta"), matches("nanogpt_meta")]
     check_all(world_size, runs, checks, timeout=200 if world_size == 2 else 280)
 
 

@@ -20,10 +20,11 @@ from lightning_pp.actions import Schedule
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.grads import PipelineGradients, broadcast_tensors
 from lightning_pp.model.balance import resolve_balance
+from lightning_pp.model.materialize import has_meta_tensors, materialize
 from lightning_pp.model.placement import WeightPlacement
 from lightning_pp.model.split import Partition, split_module
 from lightning_pp.options import PipelineOptions
-from lightning_pp.topology import PipelineLayout, StageGroups, create_groups, create_sharing_groups
+from lightning_pp.topology import PipelineLayout, StageGroups, create_groups, create_sharing_groups, gather_reports
 
 __all__ = ["StageAssembly", "assemble_stage", "balance_for", "is_assembled", "place_outside_weights", "placement_of",
            "refuse_manual_optimization", "set_aside_example_input", "setup_optimizers_everywhere"]
@@ -111,11 +112,12 @@ def balance_for(options: PipelineOptions, module: Any, trainer: Any, num_ranks: 
 def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout, rank: int, *, blocks: str | None,
                    balance: Sequence[int] | None, recompute_every: int, device: torch.device,
                    new_group: Callable[[list[int]], Any], to_device: Callable[[], None],
-                   place_where_used: bool) -> StageAssembly:
+                   place_where_used: bool, loading_checkpoint: bool, object_group: Any) -> StageAssembly:
     """Split ``module`` into this rank's stages of ``schedule`` (a later run on the same module keeps what the earlier
-    one trained), move it with ``to_device``, create the groups, and start every rank from the same weights: rank 0's
-    outside the blocks and replica 0's blocks, as DDP starts. ``place_where_used``: a training run that places the
-    weights outside the blocks where they are used (``outside_weights="where_used"``)."""
+    one trained), give what this rank holds of a meta-device build its storage, move it with ``to_device``, create the
+    groups, and start every rank from the same weights: rank 0's outside the blocks and replica 0's blocks, as DDP
+    starts. ``place_where_used``: a training run that places the weights outside the blocks where they are used
+    (``outside_weights="where_used"``); ``loading_checkpoint``: ``fit(ckpt_path=...)`` will set the weights."""
     stage = layout.stage_of(rank)
     earlier = _EARLIER_RUNS.get(module)
     fresh = earlier is None
@@ -129,6 +131,8 @@ def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout
                   f"{view.num_stages} stages of {[len(r) for r in view.ranges]} blocks")
     if recompute_every:
         partition.view.checkpoint_blocks(recompute_every)
+    if has_meta_tensors(module):  # alike on every rank: the module was built alike
+        _materialize_stage(module, device, loading_checkpoint, layout, rank, object_group)
     placement = earlier.placement
     if placement is not None:  # an earlier run may have left some weights on some ranks only
         placement.restore(lambda tensors, position: broadcast_tensors(tensors, layout.rank(position, 0), None,
@@ -152,6 +156,17 @@ def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout
     partition.view.pass_context = placement.reads if placement is not None else contextlib.nullcontext
     return StageAssembly(partition, groups, shared, PipelineGradients(shared, groups, device), placement,
                          place_where_used)
+
+
+def _materialize_stage(module: nn.Module, device: torch.device, loading_checkpoint: bool, layout: PipelineLayout,
+                       rank: int, object_group: Any) -> None:
+    """Materialize this rank's part of a meta-device build (see :mod:`lightning_pp.model.materialize`); what is left
+    uninitialized on any rank is an error on every rank."""
+    report = materialize(module, device, loading_checkpoint=loading_checkpoint)
+    where = f"stage {layout.stage_of(rank)} (rank {rank})"
+    failed = gather_reports(f"{where}: {report}" if report is not None else None, layout.world_size, object_group)
+    if failed:
+        raise PipelineConfigError("The module was built on the meta device, and " + "; ".join(failed))
 
 
 def place_outside_weights(assembly: StageAssembly, optimizers: Sequence[Any], device: torch.device,
@@ -207,9 +222,7 @@ def setup_optimizers_everywhere(setup: Callable[[], None], module: nn.Module, pa
         report = (f"stage {stage} ({type(error).__name__}: {error}; it holds blocks "
                   f"{view.local.start}-{view.local.stop - 1} of `{view.container_name}` and {total} parameters, "
                   f"{trainable} trainable, counting those outside the blocks)")
-    reports: list[str | None] = [None] * world_size
-    dist.all_gather_object(reports, report, group=object_group)
-    failed = list(dict.fromkeys(r for r in reports if r is not None))  # replicas of a stage fail alike
+    failed = gather_reports(report, world_size, object_group)  # replicas of a stage fail alike
     if failed:
         raise PipelineConfigError(
             f"configure_optimizers failed on {len(failed)} pipeline stage(s): {'; '.join(failed)}. Each stage's "

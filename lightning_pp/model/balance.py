@@ -38,6 +38,7 @@ from lightning_pp._device import synchronize_device
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.microbatch import batch_size, split_batch
 from lightning_pp.model.blocks import find_blocks
+from lightning_pp.model.materialize import has_meta_tensors
 from lightning_pp.partition import min_max_partition, stage_costs, uniform_balance
 
 __all__ = ["BlockCosts", "measure_block_costs", "parameter_balance", "preserved_random_state",
@@ -346,6 +347,8 @@ def _why_not_time(trainer: pl.Trainer, module: pl.LightningModule) -> str | None
         return "limit_train_batches=0"
     if _compat.train_data_source(trainer) is None:
         return "fit has no train dataloader"
+    if has_meta_tensors(module):
+        return "the module is on the meta device: no rank holds every block to time it"
     return None
 
 

@@ -1,0 +1,129 @@
+"""A model built on the meta device (``trainer.init_module(empty_init=True)``): each rank gives storage to, and
+initializes, only what its stage holds (``lightning_pp.model.materialize``).
+
+Single-process: initialization follows the model's own code (Hugging Face's ``_init_weights``, torch's
+``reset_parameters``), tied weights stay tied, the values do not depend on which blocks a rank holds, the global random
+state is untouched, and what nothing initializes is reported. Multi-process (2 gloo ranks): the memory a rank takes
+before training, and an uninitialized weight on one stage failing every stage. Training equivalence of meta-built
+GPT-2 and nanoGPT against one device: ``test_real_models.py``.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from _launch import launch
+from torch import nn
+
+from lightning_pp.model.materialize import has_meta_tensors, materialize
+
+CPU = torch.device("cpu")
+
+
+def _gpt2() -> nn.Module:
+    from transformers import GPT2Config, GPT2LMHeadModel
+
+    return GPT2LMHeadModel(GPT2Config(n_layer=3, n_embd=32, n_head=4, vocab_size=64, n_positions=16))
+
+
+def _llama() -> nn.Module:
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    return LlamaForCausalLM(LlamaConfig(num_hidden_layers=2, hidden_size=32, num_attention_heads=4,
+                                        num_key_value_heads=2, intermediate_size=64, vocab_size=64))
+
+
+def _on_meta(build: type[nn.Module] | object) -> nn.Module:
+    with torch.device("meta"):
+        return build()  # type: ignore[operator, no-any-return]
+
+
+@pytest.mark.parametrize("build", [_gpt2, _llama, lambda: nn.TransformerEncoder(nn.TransformerEncoderLayer(32, 4), 2)],
+                         ids=["gpt2", "llama", "torch_encoder"])
+def test_initialized_as_the_model_initializes_itself(build: object) -> None:
+    """Every tensor set, with the statistics of a normal build (HF's normal(0, 0.02), ones and zeros for norms,
+    torch's uniform for linear layers), the rotary tables computed, and the global random state as it was."""
+    torch.manual_seed(3)
+    model = _on_meta(build)
+    state = torch.get_rng_state()
+    assert materialize(model, CPU, loading_checkpoint=False) is None
+    assert torch.equal(torch.get_rng_state(), state)
+    assert not has_meta_tensors(model)
+    reference = build()  # type: ignore[operator]
+    for (name, got), (_, want) in zip(model.state_dict().items(), reference.state_dict().items(), strict=True):
+        assert got.isfinite().all(), name
+        if got.is_floating_point() and got.numel() > 64:
+            assert abs(got.std() - want.std()) <= 0.2 * want.std() + 1e-6, (name, got.std(), want.std())
+            assert abs(got.mean() - want.mean()) <= 0.02 + 0.2 * want.std(), (name, got.mean(), want.mean())
+        elif not got.is_floating_point() or got.std() == 0:
+            assert torch.equal(got, want), name  # constants (norm weights, rotary tables, ids) exactly
+
+
+def test_tied_weights_stay_tied_and_values_do_not_depend_on_the_layout() -> None:
+    """A stage holding blocks 1-2 gets the values the whole model gets there: each module draws from a stream seeded
+    by the job's seed and its name."""
+    torch.manual_seed(5)
+    whole, stage = _on_meta(_gpt2), _on_meta(_gpt2)
+    stage.transformer.h[0] = nn.Identity()  # held by another stage
+    for model in (whole, stage):
+        assert materialize(model, CPU, loading_checkpoint=False) is None
+        assert model.lm_head.weight is model.transformer.wte.weight
+    for name, value in stage.state_dict().items():
+        assert torch.equal(value, whole.state_dict()[name]), name
+    torch.manual_seed(6)
+    other_seed = _on_meta(_gpt2)
+    materialize(other_seed, CPU, loading_checkpoint=False)
+    assert not torch.equal(other_seed.transformer.h[1].mlp.c_fc.weight, whole.transformer.h[1].mlp.c_fc.weight)
+
+
+class _Custom(nn.Module):
+    """What nothing can initialize: a bare parameter, a persistent and a non-persistent buffer, a boolean mask."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.linear = nn.Linear(4, 4)  # fine: reset_parameters
+        self.scale = nn.Parameter(torch.ones(4))
+        self.register_buffer("steps", torch.zeros((), dtype=torch.long))
+        self.register_buffer("freqs", torch.arange(4.0), persistent=False)
+        self.register_buffer("mask", torch.ones(4, 4, dtype=torch.bool).tril(), persistent=False)
+
+
+def test_what_nothing_initializes_is_reported_with_the_fix() -> None:
+    report = materialize(_on_meta(_Custom), CPU, loading_checkpoint=False)
+    assert report is not None
+    for name in ("`scale` (_Custom)", "`steps` (_Custom)", "`freqs` (_Custom)", "`mask` (_Custom)"):
+        assert name in report
+    assert "linear" not in report and "reset_parameters()" in report and "ckpt_path" in report
+    # a checkpoint sets what it holds; buffers it does not hold must still be set by the module
+    report = materialize(_on_meta(_Custom), CPU, loading_checkpoint=True)
+    assert report is not None and "`freqs`" in report and "`mask`" in report
+    assert "`scale`" not in report and "`steps`" not in report
+
+
+def test_a_module_off_the_meta_device_is_left_alone() -> None:
+    model = nn.Linear(3, 3)
+    before = model.weight.detach().clone()
+    assert materialize(model, CPU, loading_checkpoint=False) is None
+    assert torch.equal(model.weight, before)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_each_rank_takes_memory_for_its_stage_only_and_failures_reach_every_rank() -> None:
+    """`models.Wide` (64 MiB of blocks) on 2 stages: each rank's peak memory grows by about its half before training
+    (the whole model before this issue), and it holds half the blocks. A weight nothing initializes on the second
+    stage only fails both stages with our error, before any rank waits on a collective."""
+    ranks = launch(2, [{"scenario": "meta_memory", "kwargs": {}},
+                       {"scenario": "expect_error", "kwargs": {"model": "gain_on_last_stage",
+                                                               "trainer": {"meta": True}}}], timeout=200)
+    for rank, result in enumerate(ranks):
+        assert not result.errors, result.errors
+        memory, error = result.results
+        whole, held, growth = memory["whole"], memory["held"], memory["growth"]
+        print(f"rank {rank}: the model {whole / 2**20:.1f} MiB, held {held / 2**20:.1f} MiB, peak memory grew "
+              f"{growth / 2**20:.1f} MiB ({growth / whole:.2f} of the model)")
+        assert memory["finite"]
+        assert 0.45 * whole < held < 0.55 * whole, (held, whole)
+        assert growth < held + 0.35 * whole, (growth, held, whole)  # before: the whole model and more
+        assert error["type"] == "PipelineConfigError", error
+        assert "stage 1 (rank 1)" in error["message"] and "`layers.3.gain` (Gain)" in error["message"], error
