@@ -240,3 +240,24 @@ __all__ = [
     "tree_unflatten",
     "unregister_tensors",
 ]
+
+
+def set_module_device_mesh(module: Any, mesh: Any) -> None:
+    """What ``LightningModule.device_mesh`` returns (Lightning's ``ModelParallelStrategy`` sets the same attribute)."""
+    module._device_mesh = mesh
+
+
+def reduce_fsdp_grads(module: Any) -> None:
+    """Reduce-scatter the gradients an FSDP2 module accumulated over backwards run without gradient sync, and
+    reshard its weights: what torch.distributed.pipelining's REDUCE_GRAD action does after a step's last backward (its
+    backwards, like ours, do not run through ``loss.backward()``, so FSDP's end-of-backward callback never fires)."""
+    from torch.distributed.fsdp import fully_shard
+
+    module.set_is_last_backward(True)
+    module.set_reshard_after_backward(True)
+    module.set_requires_gradient_sync(True)
+    state = fully_shard.state(module)  # type: ignore[attr-defined]
+    for each in state._state_ctx.all_states:
+        for param_group in each._fsdp_param_groups:
+            param_group.post_backward()
+    state._root_post_backward_final_callback()

@@ -18,6 +18,7 @@ from torch.optim import Optimizer
 
 from lightning_pp._compat import _optimizers_to_device
 from lightning_pp.errors import PipelineConfigError
+from lightning_pp.sharding import full_tensors, shard_like
 
 __all__ = ["StageCheckpoints", "indexed_to_named", "load_named", "merge_named", "named_state", "named_to_indexed"]
 
@@ -39,7 +40,7 @@ def named_state(optimizer: Optimizer, name_of: Mapping[int, str]) -> NamedState:
     """This optimizer's state with parameters named (``name_of`` maps ``id(param)`` to its name)."""
     indexed = optimizer.state_dict()
     names = [[name_of[id(p)] for p in group["params"]] for group in optimizer.param_groups]
-    return indexed_to_named(indexed, names)
+    return indexed_to_named({**indexed, "state": full_tensors(indexed["state"])}, names)
 
 
 def indexed_to_named(indexed: Mapping[str, Any], names: Sequence[Sequence[str]]) -> NamedState:
@@ -107,7 +108,11 @@ def load_named(optimizer: Optimizer, named: NamedState, name_of: Mapping[int, st
             f"The checkpoint's optimizer state has no entry for parameters {missing[:5]}; it was saved for a "
             f"different model or optimizer configuration."
         )
-    indexed = named_to_indexed({**named, "names": local_names})
+    params = {name_of[id(p)]: p for group in optimizer.param_groups for p in group["params"]}
+    state = {name: {k: shard_like(v, params[name]) if isinstance(v, torch.Tensor) and v.shape == params[name].shape
+                    else v for k, v in value.items()} if name in params else value
+             for name, value in named["state"].items()}
+    indexed = named_to_indexed({**named, "names": local_names, "state": state})
     del indexed[NAMES_KEY]
     optimizer.load_state_dict(indexed)
 
@@ -153,20 +158,23 @@ class StageCheckpoints:
         and elsewhere what the last stage does not hold.
 
         Replicated parameters are equal on every stage, but buffers are not: modules after the blocks (a BatchNorm
-        head, say) run only on the last stage, which also runs those before it, so its copies are current.
+        head, say) run only on the last stage, which also runs those before it, so its copies are current. Blocks
+        sharded over the replicas are gathered whole (every replica of the stage calls this).
         """
         view = self.partition.view
         prefix = view.container_name + "."
         last = view.num_stages - 1 in view.stages
         elsewhere = self.not_on_last() if not last else set()
-        return {k: v.detach().cpu() for k, v in self.module.state_dict().items()
+        return {k: v.detach().cpu() for k, v in full_tensors(self.module.state_dict()).items()
                 if k.startswith(prefix) or last or k in elsewhere}
 
     def module_state(self, checkpoint_format: str) -> dict[str, Any]:
         """What a checkpoint of ``checkpoint_format`` holds of the module on this rank: the whole module's state on
         global rank 0 (``"full"``, with several stages) or this rank's own."""
-        if checkpoint_format == "sharded" or self.num_stages == 1:
-            return self.module.state_dict()
+        if checkpoint_format == "sharded":
+            return self.module.state_dict()  # unused: save_sharded writes own_state()
+        if self.num_stages == 1:
+            return full_tensors(self.module.state_dict())
         return self.full_state_dict()
 
     def full_state_dict(self) -> dict[str, Any]:
@@ -190,8 +198,9 @@ class StageCheckpoints:
 
     def save_sharded(self, checkpoint: dict[str, Any], folder: str) -> None:
         os.makedirs(folder, exist_ok=True)
+        state = self.own_state()  # on every replica: blocks sharded over them are gathered
         if self.replica == 0:  # one copy per stage
-            shard = {"state_dict": self.own_state(), "optimizer_states": checkpoint.get("optimizer_states", [])}
+            shard = {"state_dict": state, "optimizer_states": checkpoint.get("optimizer_states", [])}
             torch.save(shard, os.path.join(folder, f"stage{self.stage}.pt"))
         if self.rank == 0:
             meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
@@ -223,7 +232,9 @@ class StageCheckpoints:
                 f"The checkpoint has no entries for {missing[:5]} (of {len(missing)} missing) of pipeline stage "
                 f"{self.stage}: it was saved from a different model."
             )
-        self.module.load_state_dict({k: saved[k] for k in local_keys if k in saved}, strict=strict)
+        local = self.module.state_dict()
+        self.module.load_state_dict({k: shard_like(saved[k], local[k]) for k in local_keys if k in saved},
+                                    strict=strict)
 
     def load_optimizer_states(self, optimizers: Sequence[Any], states: Sequence[Mapping[str, Any]]) -> None:
         """Load each optimizer's entries from a full, sharded or single-device checkpoint's optimizer states."""

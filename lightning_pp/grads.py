@@ -11,6 +11,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_pp import _compat
@@ -176,14 +177,20 @@ class PipelineGradients:
         the first position holding it; after :meth:`synchronize`, so its holders and replicas agree)."""
         grads = [(p, p.grad) for p in params if p.grad is not None]
         squared = torch.zeros((), dtype=torch.float64, device=self.device)
+        sharded = torch.zeros((), dtype=torch.float64, device=self.device)  # blocks' shards over the replicas
         for p, grad in grads:
-            if min(self.positions_of(p)) == self.groups.stage:
+            if isinstance(grad, DTensor):
+                sharded += torch.linalg.vector_norm(grad.to_local().detach(), dtype=torch.float64) ** 2
+            elif min(self.positions_of(p)) == self.groups.stage:
                 squared += torch.linalg.vector_norm(grad.detach(), dtype=torch.float64) ** 2
+        if any(isinstance(grad, DTensor) for _, grad in grads) and self.groups.layout.num_replicas > 1:
+            dist.all_reduce(sharded, group=self.groups.replicas)  # each replica holds a shard
+        squared += sharded
         if self.groups.layout.num_stages > 1:  # replicas hold the same gradients: the norm of one pipeline
             dist.all_reduce(squared, group=self.groups.pipeline)
         scale = torch.clamp(clip_val / (squared.sqrt() + 1e-6), max=1.0)
         for _, grad in grads:
-            grad.mul_(scale.to(grad.dtype))
+            (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(scale.to(grad.dtype))
 
     def unscale_agreeing(self, scaler: torch.amp.GradScaler, unscale: Callable[[Optimizer], None],
                          optimizer: Optimizer) -> None:

@@ -123,6 +123,14 @@ class PipelineOptions:
     the model records with forward hooks, as Hugging Face's ``output_hidden_states`` and router logits, always
     travel.)"""
 
+    data_parallel: str = "ddp"
+    """How the data-parallel replicas of a stage (``pipeline_parallel_size`` smaller than the world) hold its blocks.
+    ``"ddp"``: each replica holds them whole and their gradients are averaged once per optimizer step, as DDP does.
+    ``"fsdp"``: each block is sharded over the replicas with torch's FSDP2 (``fully_shard``): a replica keeps 1/D of
+    the blocks' weights, gradients and optimizer state, gathers a block's weights for its passes, and the gradients are
+    reduce-scattered once per optimizer step (after the last micro-batch, honouring ``accumulate_grad_batches``). The
+    weights outside the blocks stay whole on the ranks that use them (``outside_weights``)."""
+
     schedule_file: Schedule | None = field(init=False, default=None)
     """The schedule read from ``schedule`` when it names a ``.csv`` file (read on construction: a missing or broken
     file fails here)."""
@@ -211,6 +219,9 @@ class PipelineOptions:
         check(isinstance(self.carry_block_outputs, bool),
                f"carry_block_outputs={self.carry_block_outputs!r} ({type(self.carry_block_outputs).__name__}) must "
                f"be True or False.")
+        check(self.data_parallel in ("ddp", "fsdp"),
+               f"data_parallel={self.data_parallel!r}; use 'ddp' (each replica holds its stage's blocks whole) or "
+               f"'fsdp' (the blocks sharded over the replicas with FSDP2).")
         check(isinstance(self.reuse_cpu_memory, bool),
                f"reuse_cpu_memory={self.reuse_cpu_memory!r} ({type(self.reuse_cpu_memory).__name__}) must be True "
                f"or False.")

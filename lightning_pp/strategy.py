@@ -40,8 +40,9 @@ from lightning_pp.model.assembly import (
 from lightning_pp.model.session import StageSession, release
 from lightning_pp.options import PipelineOptions, documented_arguments
 from lightning_pp.schedules import StepSchedules
+from lightning_pp.sharding import BlockSharding
 from lightning_pp.telemetry import PipelineTelemetry
-from lightning_pp.topology import PipelineLayout, broadcast_object, start_process_group
+from lightning_pp.topology import PipelineLayout, broadcast_object, create_device_mesh, start_process_group
 
 __all__ = ["PipelineParallelStrategy"]
 
@@ -83,7 +84,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         process_group_timeout: float | timedelta | None = None, checkpoint_format: str = "full",
         process_group_backend: str | None = None, reuse_cpu_memory: bool = True,
         microbatch_weight: Callable[[Any], Any] | None = None, activation_checkpointing: bool | int = False,
-        outside_weights: str = "where_used", carry_block_outputs: bool = False,
+        outside_weights: str = "where_used", carry_block_outputs: bool = False, data_parallel: str = "ddp",
         accelerator: pl.accelerators.Accelerator | None = None, parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None, checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
@@ -97,7 +98,7 @@ class PipelineParallelStrategy(ParallelStrategy):
             process_group_timeout=process_group_timeout, checkpoint_format=checkpoint_format,
             process_group_backend=process_group_backend, reuse_cpu_memory=reuse_cpu_memory,
             microbatch_weight=microbatch_weight, activation_checkpointing=activation_checkpointing,
-            outside_weights=outside_weights, carry_block_outputs=carry_block_outputs)
+            outside_weights=outside_weights, carry_block_outputs=carry_block_outputs, data_parallel=data_parallel)
         self._process_group_backend = process_group_backend  # chosen from the device in setup_environment if None
         self._num_nodes = 1
         self._session: StageSession | None = None  # this rank's stage during a Trainer run, from setup to teardown
@@ -107,6 +108,9 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._failures: FailureSignal | None = None
         self._schedules: StepSchedules | None = None
         self.telemetry = PipelineTelemetry()  # what PipelineMonitor reads, and its request for a timed step
+        # the ranks as a DeviceMesh ("pipeline_parallel", "data_parallel", "tensor_parallel"), also the module's
+        # `device_mesh` from configure_model on; None until the process group exists
+        self.device_mesh: Any = None
 
     # ------------------------------------------------------------------------------------------------ Lightning wiring
 
@@ -201,6 +205,9 @@ class PipelineParallelStrategy(ParallelStrategy):
                                         self.options.stages_per_rank or 1, self.options.schedule_file is not None)
         self.object_group = start_process_group(self.cluster_environment, backend, self.options.group_timeout,
                                                 self._world, self.global_rank)
+        self.device_mesh = create_device_mesh(self.layout, self.root_device.type)
+        if self.lightning_module is not None:  # configure_model, which runs next, may read it
+            _compat.set_module_device_mesh(self.lightning_module, self.device_mesh)
         if self._world > 1:
             self._failures = FailureSignal.for_this_fit(_compat._default_store(), self.global_rank,
                                                         grace=self.timeout + 5)
@@ -224,7 +231,8 @@ class PipelineParallelStrategy(ParallelStrategy):
             recompute_every=self.options.recompute_every,
             device=self.root_device, new_group=self._new_group, to_device=self._convert_and_move,
             place_where_used=fitting and self.num_stages > 1 and self.options.outside_weights == "where_used",
-            loading_checkpoint=trainer.ckpt_path is not None, object_group=self.object_group)
+            loading_checkpoint=trainer.ckpt_path is not None, object_group=self.object_group,
+            sharding=self._block_sharding())
         try:
             if fitting:
                 setup_optimizers_everywhere(lambda: self.setup_optimizers(trainer), module, assembly.partition,
@@ -239,6 +247,12 @@ class PipelineParallelStrategy(ParallelStrategy):
         except BaseException:
             release(assembly)  # teardown has no session to close
             raise
+
+    def _block_sharding(self) -> BlockSharding | None:
+        """FSDP2 over the stage's replicas for ``data_parallel="fsdp"`` (None with one replica: nothing to shard)."""
+        if self.options.data_parallel != "fsdp" or self.num_replicas == 1 or self.device_mesh is None:
+            return None
+        return BlockSharding(self.device_mesh["data_parallel"])
 
     def _convert_and_move(self) -> None:
         assert self.model is not None

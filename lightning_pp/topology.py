@@ -15,8 +15,10 @@ import torch.distributed as dist
 from lightning_pp import _compat
 from lightning_pp._nccl_emulation import ENV_VAR, emulating_nccl
 
-__all__ = ["PipelineLayout", "StageGroups", "broadcast_object", "create_groups", "create_sharing_groups",
-           "gather_reports", "start_process_group"]
+__all__ = ["MESH_DIMS", "PipelineLayout", "StageGroups", "broadcast_object", "create_device_mesh", "create_groups",
+           "create_sharing_groups", "gather_reports", "start_process_group"]
+
+MESH_DIMS = ("pipeline_parallel", "data_parallel", "tensor_parallel")
 
 log = logging.getLogger(__name__)
 
@@ -191,3 +193,14 @@ def gather_reports(report: str | None, world_size: int, group: Any) -> list[str]
     reports: list[str | None] = [None] * world_size
     dist.all_gather_object(reports, report, group=group)
     return list(dict.fromkeys(r for r in reports if r is not None))
+
+
+def create_device_mesh(layout: PipelineLayout, device_type: str) -> Any:
+    """The job's ranks as a DeviceMesh of ``MESH_DIMS`` (pipeline outermost; one tensor-parallel rank each), laid out
+    as ``layout`` places them (``rank = stage * num_replicas + replica``); every rank creates it (collective). None
+    without a process group."""
+    if not dist.is_initialized():
+        return None
+    from torch.distributed.device_mesh import init_device_mesh
+
+    return init_device_mesh(device_type, (layout.num_stages, layout.num_replicas, 1), mesh_dim_names=MESH_DIMS)

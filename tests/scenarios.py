@@ -63,7 +63,14 @@ def _train(strategy: Any, model: str, max_steps: int, batch_size: int, trainer: 
                          ckpt_path=ckpt_path, save_to=save_to, seed=7 + GLOBAL_RANK if seed_per_rank else 7, **extra)
     used = module.trainer.strategy
     scaler = getattr(module.trainer.precision_plugin, "scaler", None)
-    return {"state": {k: v.detach().clone() for k, v in module.state_dict().items()}, "history": logger.history,
+    from torch.distributed.tensor import DTensor
+
+    # blocks sharded over the replicas (data_parallel="fsdp") gathered whole, on every replica alike (a collective)
+    state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+             for k, v in module.state_dict().items()}
+    return {"state": state, "history": logger.history,
+            "local_numel": {name: (p.to_local() if isinstance(p, DTensor) else p).numel()
+                            for name, p in module.named_parameters()},
             "callback_metrics": {k: float(v) for k, v in module.trainer.callback_metrics.items()},
             "scale": scaler.get_scale() if scaler is not None else None,
             "grads": recorder.grads if recorder is not None else None,

@@ -24,6 +24,7 @@ from lightning_pp.model.materialize import has_meta_tensors, materialize
 from lightning_pp.model.placement import WeightPlacement
 from lightning_pp.model.split import Partition, split_module
 from lightning_pp.options import PipelineOptions
+from lightning_pp.sharding import BlockSharding, is_sharded, refuse_user_sharding
 from lightning_pp.topology import PipelineLayout, StageGroups, create_groups, create_sharing_groups, gather_reports
 
 __all__ = ["StageAssembly", "assemble_stage", "balance_for", "is_assembled", "place_outside_weights", "placement_of",
@@ -54,6 +55,7 @@ class StageAssembly:
     # where the weights outside the blocks are kept: this run's placement, or an earlier run's (None: on every rank)
     placement: WeightPlacement | None
     places: bool  # whether this run places the weights outside the blocks where they are used
+    sharding: BlockSharding | None = None  # the blocks sharded over the stage's replicas (data_parallel="fsdp")
 
     @property
     def placing(self) -> WeightPlacement | None:
@@ -112,12 +114,15 @@ def balance_for(options: PipelineOptions, module: Any, trainer: Any, num_ranks: 
 def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout, rank: int, *, blocks: str | None,
                    balance: Sequence[int] | None, recompute_every: int, device: torch.device,
                    new_group: Callable[[list[int]], Any], to_device: Callable[[], None],
-                   place_where_used: bool, loading_checkpoint: bool, object_group: Any) -> StageAssembly:
+                   place_where_used: bool, loading_checkpoint: bool, object_group: Any,
+                   sharding: BlockSharding | None = None) -> StageAssembly:
     """Split ``module`` into this rank's stages of ``schedule`` (a later run on the same module keeps what the earlier
     one trained), give what this rank holds of a meta-device build its storage, move it with ``to_device``, create the
     groups, and start every rank from the same weights: rank 0's outside the blocks and replica 0's blocks, as DDP
     starts. ``place_where_used``: a training run that places the weights outside the blocks where they are used
-    (``outside_weights="where_used"``); ``loading_checkpoint``: ``fit(ckpt_path=...)`` will set the weights."""
+    (``outside_weights="where_used"``); ``loading_checkpoint``: ``fit(ckpt_path=...)`` will set the weights;
+    ``sharding``: shard this rank's blocks over the stage's replicas (a meta build block by block, so that no rank
+    holds its stage whole)."""
     stage = layout.stage_of(rank)
     earlier = _EARLIER_RUNS.get(module)
     fresh = earlier is None
@@ -131,6 +136,12 @@ def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout
                   f"{view.num_stages} stages of {[len(r) for r in view.ranges]} blocks")
     if recompute_every:
         partition.view.checkpoint_blocks(recompute_every)
+    if sharding is not None and not sharding.blocks:
+        refuse_user_sharding(module)
+        for name, block in partition.view.named_local_blocks():
+            if has_meta_tensors(block):
+                _materialize_stage(module, device, loading_checkpoint, layout, rank, object_group, part=name)
+            sharding.shard(block.to(device))
     if has_meta_tensors(module):  # alike on every rank: the module was built alike
         _materialize_stage(module, device, loading_checkpoint, layout, rank, object_group)
     placement = earlier.placement
@@ -149,20 +160,20 @@ def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout
         broadcast_tensors([*shared, *shared_buffers], 0, None, device)
     if layout.num_replicas > 1:
         everywhere = {id(t) for t in (*shared, *shared_buffers)}
-        own = [t for t in (*module.parameters(), *module.buffers()) if id(t) not in everywhere]
+        own = [t for t in (*module.parameters(), *module.buffers()) if id(t) not in everywhere and not is_sharded(t)]
         broadcast_tensors(own, layout.rank(stage, 0), groups.replicas, device)
     if place_where_used and placement is None:
         placement = earlier.placement = WeightPlacement(module, shared, stage, layout.num_stages)
     partition.view.pass_context = placement.reads if placement is not None else contextlib.nullcontext
     return StageAssembly(partition, groups, shared, PipelineGradients(shared, groups, device), placement,
-                         place_where_used)
+                         place_where_used, sharding)
 
 
 def _materialize_stage(module: nn.Module, device: torch.device, loading_checkpoint: bool, layout: PipelineLayout,
-                       rank: int, object_group: Any) -> None:
-    """Materialize this rank's part of a meta-device build (see :mod:`lightning_pp.model.materialize`); what is left
-    uninitialized on any rank is an error on every rank."""
-    report = materialize(module, device, loading_checkpoint=loading_checkpoint)
+                       rank: int, object_group: Any, part: str = "") -> None:
+    """Materialize this rank's part of a meta-device build (see :mod:`lightning_pp.model.materialize`; ``part``: one
+    submodule only); what is left uninitialized on any rank is an error on every rank."""
+    report = materialize(module, device, loading_checkpoint=loading_checkpoint, part=part)
     where = f"stage {layout.stage_of(rank)} (rank {rank})"
     failed = gather_reports(f"{where}: {report}" if report is not None else None, layout.world_size, object_group)
     if failed:

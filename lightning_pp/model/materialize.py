@@ -84,16 +84,17 @@ def _modules_children_first(module: nn.Module, prefix: str = "", hf_model: Any =
     yield prefix, module, hf_model
 
 
-def materialize(module: nn.Module, device: torch.device, *, loading_checkpoint: bool) -> str | None:
+def materialize(module: nn.Module, device: torch.device, *, loading_checkpoint: bool, part: str = "") -> str | None:
     """Give every meta tensor of ``module`` storage on ``device`` and initialize it (see the module docstring); tied
     weights stay tied. Returns None, or what is left uninitialized (with the fix) as a message. With
     ``loading_checkpoint`` (``fit(ckpt_path=...)``), tensors the checkpoint holds may stay uninitialized: it sets
-    them."""
+    them. ``part``: only this submodule of ``module`` (a block), named and initialized as within the whole."""
     storage: dict[int, Tensor] = {}  # one new tensor per meta tensor, so that a tied weight stays one weight
     made: list[tuple[str, nn.Module, Tensor]] = []  # (name in the model, its module, its new storage)
     owners: list[tuple[str, nn.Module, Any]] = []
     holds_meta: set[int] = set()
-    for path, sub, hf_model in _modules_children_first(module):
+    root, enclosing = _part_of(module, part)
+    for path, sub, hf_model in _modules_children_first(root, part, enclosing):
         owned = list(_owned_meta(sub))
         if owned or any(id(child) in holds_meta for child in sub.children()):
             holds_meta.add(id(sub))
@@ -117,12 +118,21 @@ def materialize(module: nn.Module, device: torch.device, *, loading_checkpoint: 
                 torch.manual_seed((base_seed + zlib.crc32(path.encode())) % 2**63)
                 init()
                 initialized.add(id(sub))
-    return _uninitialized_report(module, made, initialized, loading_checkpoint)
+    return _uninitialized_report(root, part, made, initialized, loading_checkpoint)
 
 
-def _uninitialized_report(module: nn.Module, made: list[tuple[str, nn.Module, Tensor]], initialized: set[int],
-                          loading_checkpoint: bool) -> str | None:
-    saved = set(module.state_dict(keep_vars=True)) if loading_checkpoint else set()
+def _part_of(module: nn.Module, part: str) -> tuple[nn.Module, Any]:
+    """The submodule named ``part`` and the innermost Hugging Face model around it (or itself), if any."""
+    hf_model = module if _is_hf_model(module) else None
+    for name in part.split(".") if part else []:
+        module = module.get_submodule(name)
+        hf_model = module if _is_hf_model(module) else hf_model
+    return module, hf_model
+
+
+def _uninitialized_report(root: nn.Module, part: str, made: list[tuple[str, nn.Module, Tensor]],
+                          initialized: set[int], loading_checkpoint: bool) -> str | None:
+    saved = {f"{part}.{k}" if part else k for k in root.state_dict(keep_vars=True)} if loading_checkpoint else set()
     left = [f"`{key}` ({type(sub).__name__})" for key, sub, tensor in made
             if key not in saved and (_still_sentinel(tensor) or (tensor.dtype == torch.bool
                                                                  and id(sub) not in initialized))]

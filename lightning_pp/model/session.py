@@ -26,6 +26,7 @@ from lightning_pp.model.results import outputs_read
 from lightning_pp.model.step import StepDriver
 from lightning_pp.options import PipelineOptions
 from lightning_pp.p2p import StageP2P, connect_stages
+from lightning_pp.sharding import is_sharded
 from lightning_pp.summary import summarize_whole_model
 from lightning_pp.telemetry import PipelineTelemetry
 from lightning_pp.topology import PipelineLayout
@@ -150,8 +151,11 @@ class StageSession:
             with collective("agreeing on which ranks use the weights outside the blocks"):
                 self.driver.shared = place_outside_weights(assembly, optimizers, self.device, self.new_group)
         timed = self.telemetry.timing_sink is not None and self.layout.world_size > 1
+        if assembly.sharding is not None:
+            with collective("the blocks' gradient reduce-scatter over the replicas (FSDP2)"):
+                assembly.sharding.reduce_grads()
         with collective("the gradient all-reduce (replicas' average, weights several stages hold)"):
-            params = [p for p in self.module.parameters() if p.requires_grad]
+            params = [p for p in self.module.parameters() if p.requires_grad and not is_sharded(p)]
             sync_ms = assembly.grads.synchronize(params, timed)
         self.telemetry.last_grad_sync_bytes = assembly.grads.last_bytes
         if timed:  # for PipelineMonitor

@@ -258,6 +258,10 @@ class StageView:
     def local_blocks(self) -> list[nn.Module]:
         return list(self._local_blocks.values())
 
+    def named_local_blocks(self) -> list[tuple[str, nn.Module]]:
+        """This rank's blocks with their names in the whole model."""
+        return [(f"{self.container_name}.{key}", block) for key, block in self._local_blocks.items()]
+
     def eager_now(self) -> bool:
         """Whether a pass through the blocks runs eagerly now: in an eager step, or outside the pipelined steps when
         there are several stages (a hook generating text)."""

@@ -1,0 +1,93 @@
+"""A stage's blocks sharded over its data-parallel replicas with torch's FSDP2 (``data_parallel="fsdp"``): each block
+is its own ``fully_shard`` unit on the replicas' mesh; the schedule's backwards accumulate unsharded gradients without
+communication, and :meth:`BlockSharding.reduce_grads` reduce-scatters them once per optimizer step, as
+torch.distributed.pipelining does. Checkpoints see whole tensors: :func:`full_tensors` gathers a sharded state,
+:func:`shard_like` cuts a whole one to this rank's shard."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from torch import Tensor, nn
+from torch.distributed.tensor import DTensor, distribute_tensor
+
+from lightning_pp import _compat
+from lightning_pp.errors import PipelineConfigError
+
+__all__ = ["BlockSharding", "full_tensors", "is_sharded", "refuse_user_sharding", "shard_like"]
+
+
+def is_sharded(tensor: Any) -> bool:
+    return isinstance(tensor, DTensor)
+
+
+class BlockSharding:
+    """FSDP2 over ``mesh`` (the stage's replicas, a 1-D DeviceMesh) for the blocks passed to :meth:`shard`."""
+
+    def __init__(self, mesh: Any) -> None:
+        self.mesh = mesh
+        self.blocks: list[nn.Module] = []
+
+    def shard(self, block: nn.Module) -> None:
+        """Make ``block`` an FSDP2 unit whose backwards only accumulate (see :meth:`reduce_grads`)."""
+        from torch.distributed.fsdp import fully_shard
+
+        fully_shard(block, mesh=self.mesh)
+        self._accumulate_only(block)
+        self.blocks.append(block)
+
+    @staticmethod
+    def _accumulate_only(block: Any) -> None:
+        # unsharded weights stay gathered between the step's backwards, as torch.distributed.pipelining keeps them
+        block.set_is_last_backward(False)
+        block.set_reshard_after_backward(False)
+        block.set_requires_gradient_sync(False)
+
+    def reduce_grads(self) -> None:
+        """Reduce-scatter what the step's backwards accumulated (each replica's shard gets the replicas' mean, as DDP
+        averages) and reshard the weights; then back to accumulating."""
+        for block in self.blocks:
+            _compat.reduce_fsdp_grads(block)
+            self._accumulate_only(block)
+
+
+def full_tensors(state: Mapping[str, Any]) -> dict[str, Any]:
+    """``state`` with every sharded tensor gathered whole (a collective over its mesh: every replica of the stage
+    calls it, in the same order); nested dicts (an optimizer's per-parameter state) too."""
+    def whole(value: Any) -> Any:
+        if isinstance(value, DTensor):
+            return value.full_tensor()
+        if isinstance(value, Mapping):
+            return {k: whole(v) for k, v in value.items()}
+        return value
+
+    return {k: whole(v) for k, v in state.items()}
+
+
+def shard_like(value: Tensor, like: Any) -> Tensor:
+    """``value`` (whole, the same on every replica) as this rank's shard of ``like``'s layout; other values as they
+    are. No communication: each rank cuts its own shard."""
+    if not isinstance(like, DTensor) or isinstance(value, DTensor):
+        return value
+    return distribute_tensor(value.to(like.device, like.dtype), like.device_mesh, like.placements, src_data_rank=None)
+
+
+def refuse_user_sharding(module: nn.Module) -> None:
+    """Sharding applied to the module before setup (FSDP1 wrappers, FSDP2 units, tensor-parallel plans) is not
+    combined with the pipeline's split yet: our error, before any collective."""
+    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+
+    for name, sub in module.named_modules():
+        if isinstance(sub, (FSDPModule, FullyShardedDataParallel)):
+            kind = "FSDP1 (FullyShardedDataParallel)" if isinstance(sub, FullyShardedDataParallel) else "FSDP2"
+            raise PipelineConfigError(
+                f"`{name or type(module).__name__}` is already sharded with {kind} (in configure_model or before "
+                f"fit). PipelineParallelStrategy shards each stage's blocks itself: remove the fully_shard/FSDP call "
+                f"and pass PipelineParallelStrategy(data_parallel='fsdp', pipeline_parallel_size=...).")
+    sharded = [name for name, p in module.named_parameters() if isinstance(p, DTensor)]
+    if sharded:
+        raise PipelineConfigError(
+            f"Parameters {sharded[:3]} are DTensors (tensor parallelism or sharding applied before setup), which "
+            f"PipelineParallelStrategy does not combine with its split yet. Build the module with plain tensors; "
+            f"data_parallel='fsdp' shards each stage's blocks over the replicas.")
