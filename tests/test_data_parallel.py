@@ -88,6 +88,11 @@ PIPELINED_RUNS = [(model, schedule) for model in SGD_MODELS
 METRICS_RUN, CLIPPED_RUN = len(PIPELINED_RUNS), len(PIPELINED_RUNS) + 1
 # clipped by the norm of the whole model's averaged gradients (the tied weight counted once), 2 batches per step
 CLIPPED = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm", "accumulate_grad_batches": 2}
+# data_parallel="fsdp" (blocks sharded over the replicas): (model, schedule, trainer options); the first saves a full
+# checkpoint, the second a sharded one
+FSDP_RUNS = [("mlp_sgd", "1f1b", {}), ("mlp_sgd", "gpipe", {}), ("tied_sgd", "zb_h1", {}),
+             ("tied_sgd", "interleaved_1f1b", {}), ("tied_sgd", "1f1b", CLIPPED)]
+FIRST_FSDP_RUN = CLIPPED_RUN + 1
 DDP_RUNS = {"mlp_sgd": 0, "tied_sgd": 1, "synced_metrics": 2, "clipped": 3}  # run -> index in the DDP job
 DDP_AGAIN, DDP_RESUMED = 4, 5  # mlp_sgd once more (determinism); resumed from its own checkpoint for one epoch
 
@@ -111,7 +116,8 @@ def ddp_job(checkpoints: Path) -> Job:
 @pytest.fixture(scope="module")
 def pipelined_job(checkpoints: Path) -> Job:
     """4 processes as 2 replicas x 2 stages: both SGD models on every schedule (for the MLP, 1f1b saves a full
-    checkpoint and gpipe a sharded one), the metrics module, and clipping with accumulation, in one launch."""
+    checkpoint and gpipe a sharded one), the metrics module, clipping with accumulation, and `FSDP_RUNS`, in one
+    launch."""
     runs = []
     for model, schedule in PIPELINED_RUNS:
         extra: dict[str, Any] = {}
@@ -122,7 +128,13 @@ def pipelined_job(checkpoints: Path) -> Job:
         runs.append(pipelined_replicas(model, schedule, **extra))
     runs.append(pipelined_replicas("synced_metrics", "gpipe"))
     runs.append(pipelined_replicas("tied_sgd", "1f1b", trainer={"record_batches": True, **CLIPPED}))
-    return run_job(REPLICAS * STAGES, runs, timeout=240)
+    saves = [{"save_to": str(checkpoints / "fsdp_full.ckpt")},
+             {"save_to": str(checkpoints / "fsdp_sharded"), "checkpoint_format": "sharded"}]
+    for index, (model, schedule, trainer) in enumerate(FSDP_RUNS):
+        runs.append(pipelined_replicas(model, schedule, data_parallel="fsdp",
+                                       trainer={"record_batches": True, **trainer},
+                                       **(saves[index] if index < len(saves) else {})))
+    return run_job(REPLICAS * STAGES, runs, timeout=300)
 
 
 @pytest.fixture(scope="module")
@@ -250,6 +262,35 @@ def test_synced_logging_and_torchmetrics_match_ddp(ddp_job: Job, pipelined_job: 
 
 
 @pytest.mark.multiprocess
+def test_blocks_sharded_over_the_replicas_with_fsdp2_match_ddp(ddp_job: Job, pipelined_job: Job,
+                                                               checkpoints: Path) -> None:
+    """``data_parallel="fsdp"``: each replica holds half of each block weight (FSDP2 shards), and training equals DDP's
+    under 1f1b, gpipe, zb_h1 (split backward) and interleaved 1f1b, with a tied embedding/head, and with global-norm
+    clipping over the shards and 2 accumulated batches per step. The full checkpoint gathers the shards into what DDP
+    saves and plain Lightning loads."""
+    ddp_ranks, ranks = ddp_job.get(), pipelined_job.get()
+    for offset, (model, schedule, trainer) in enumerate(FSDP_RUNS):
+        index, label = FIRST_FSDP_RUN + offset, f"fsdp {model} {schedule} {trainer} 2x2"
+        reference = DDP_RUNS["clipped"] if trainer else DDP_RUNS[model]
+        assert_like_ddp(ranks, index, ddp_ranks, reference, label)
+        full, _ = assemble(ranks, index)
+        layout = PipelineLayout(STAGES, REPLICAS)
+        for stage in range(STAGES):  # a block weight's shards: one per replica, together the whole
+            numel = [ranks[layout.rank(stage, r)].results[index]["local_numel"] for r in range(REPLICAS)]
+            blocks = [name for name in numel[0] if name.startswith(("layers.", "blocks.")) and "weight" in name]
+            assert blocks, (label, sorted(numel[0]))
+            for name in blocks:
+                assert [n[name] for n in numel] == [full[name].numel() // REPLICAS] * REPLICAS, (label, name, numel)
+    ours, theirs = (torch.load(checkpoints / "fsdp_full.ckpt", weights_only=True),
+                    torch.load(checkpoints / "ddp.ckpt", weights_only=True))
+    for name, value in theirs["state_dict"].items():
+        torch.testing.assert_close(ours["state_dict"][name], value, rtol=RTOL, atol=ATOL,
+                                   msg=prefixed(f"fsdp full checkpoint {name}"))
+    assert_optimizer_states_match(ours["optimizer_states"], theirs["optimizer_states"])
+    MLPClassifierSGD.load_from_checkpoint(checkpoints / "fsdp_full.ckpt", weights_only=True)
+
+
+@pytest.mark.multiprocess
 def test_checkpoints_equal_ddp_and_resume_at_other_replica_counts(ddp_job: Job, pipelined_job: Job,
                                                                   checkpoints: Path) -> None:
     """The full checkpoint of 2 replicas x 2 stages is what DDP saves (weights, optimizer state, progress) and loads
@@ -261,7 +302,9 @@ def test_checkpoints_equal_ddp_and_resume_at_other_replica_counts(ddp_job: Job, 
       DDP on one process would inject a shuffling DistributedSampler: a different order, not a fair reference;
     - the sharded one on 2 replicas x 1 stage (``pipeline_parallel_size=1``, a different P), against DDP on 2
       processes resuming from the checkpoint DDP itself saved at the same point (equal to ours, checked above), with
-      the same DistributedSampler.
+      the same DistributedSampler;
+    - the sharded one written with ``data_parallel="fsdp"`` likewise, with fsdp again (the blocks sharded over the
+      2 replicas of the one stage).
     """
     ddp_ranks, _ = ddp_job.get(), pipelined_job.get()
     full_path, sharded = checkpoints / "full.ckpt", checkpoints / "sharded"
@@ -282,8 +325,12 @@ def test_checkpoints_equal_ddp_and_resume_at_other_replica_counts(ddp_job: Job, 
                                                "schedule": "1f1b", "microbatches": 2, "ckpt_path": str(full_path)}},
               {"scenario": "train", "kwargs": {"model": "mlp_sgd", "max_steps": -1, "max_epochs": EPOCHS + 1,
                                                "pipeline_parallel_size": 1, "checkpoint_format": "sharded",
-                                               "ckpt_path": str(sharded)}}]
-    ranks = launch(2, resume, timeout=150)
+                                               "ckpt_path": str(sharded)}},
+              {"scenario": "train", "kwargs": {"model": "mlp_sgd", "max_steps": -1, "max_epochs": EPOCHS + 1,
+                                               "pipeline_parallel_size": 1, "data_parallel": "fsdp",
+                                               "checkpoint_format": "sharded",
+                                               "ckpt_path": str(checkpoints / "fsdp_sharded")}}]
+    ranks = launch(2, resume, timeout=180)
 
     module, logger = fit("mlp_sgd", max_steps=-1, max_epochs=EPOCHS + 1, ckpt_path=str(full_path))
     one_device = {"state": {k: v.detach().clone() for k, v in module.state_dict().items()}, "history": logger.history}
@@ -296,6 +343,9 @@ def test_checkpoints_equal_ddp_and_resume_at_other_replica_counts(ddp_job: Job, 
     assert [(r.results[1]["layout"]["stage"], r.results[1]["layout"]["replica"]) for r in ranks] == [(0, 0), (0, 1)]
     assert_matches(full, history, ddp_reference(ddp_ranks, DDP_RESUMED),
                    "sharded 2x2 checkpoint resumed on 2 replicas x 1 stage")
+    full, history = assemble(ranks, 2)
+    assert_matches(full, history, ddp_reference(ddp_ranks, DDP_RESUMED),
+                   "sharded checkpoint of 2x2 with fsdp resumed on 2 replicas x 1 stage with fsdp")
 
 
 def assert_optimizer_states_match(ours: list[dict[str, Any]], theirs: list[dict[str, Any]]) -> None:
