@@ -29,6 +29,14 @@ class BlockSharding:
         self.mesh = mesh
         self.blocks: list[nn.Module] = []
 
+    @classmethod
+    def over(cls, job_mesh: Any) -> BlockSharding | None:
+        """Sharding over the ``"data_parallel"`` dimension of the job's mesh; None where it has one rank (or there is
+        no mesh): nothing to shard over."""
+        if job_mesh is None or job_mesh["data_parallel"].size() == 1:
+            return None
+        return cls(job_mesh["data_parallel"])
+
     def shard(self, block: nn.Module) -> None:
         """Make ``block`` an FSDP2 unit whose backwards only accumulate (see :meth:`reduce_grads`)."""
         from torch.distributed.fsdp import fully_shard

@@ -6,7 +6,7 @@ import os
 import signal
 import textwrap
 from collections.abc import Callable, Generator, Mapping, Sequence
-from contextlib import AbstractContextManager, contextmanager
+from contextlib import AbstractContextManager, ExitStack, contextmanager
 from datetime import timedelta
 from typing import Any
 
@@ -42,7 +42,12 @@ from lightning_pp.options import PipelineOptions, documented_arguments
 from lightning_pp.schedules import StepSchedules
 from lightning_pp.sharding import BlockSharding
 from lightning_pp.telemetry import PipelineTelemetry
-from lightning_pp.topology import PipelineLayout, broadcast_object, create_device_mesh, start_process_group
+from lightning_pp.topology import (
+    PipelineLayout,
+    broadcast_object,
+    create_device_mesh,
+    start_process_group,
+)
 
 __all__ = ["PipelineParallelStrategy"]
 
@@ -232,7 +237,7 @@ class PipelineParallelStrategy(ParallelStrategy):
             device=self.root_device, new_group=self._new_group, to_device=self._convert_and_move,
             place_where_used=fitting and self.num_stages > 1 and self.options.outside_weights == "where_used",
             loading_checkpoint=trainer.ckpt_path is not None, object_group=self.object_group,
-            sharding=self._block_sharding())
+            sharding=BlockSharding.over(self.device_mesh) if self.options.data_parallel == "fsdp" else None)
         try:
             if fitting:
                 setup_optimizers_everywhere(lambda: self.setup_optimizers(trainer), module, assembly.partition,
@@ -248,12 +253,6 @@ class PipelineParallelStrategy(ParallelStrategy):
             release(assembly)  # teardown has no session to close
             raise
 
-    def _block_sharding(self) -> BlockSharding | None:
-        """FSDP2 over the stage's replicas for ``data_parallel="fsdp"`` (None with one replica: nothing to shard)."""
-        if self.options.data_parallel != "fsdp" or self.num_replicas == 1 or self.device_mesh is None:
-            return None
-        return BlockSharding(self.device_mesh["data_parallel"])
-
     def _convert_and_move(self) -> None:
         assert self.model is not None
         self.model = self.precision_plugin.convert_module(self.model)
@@ -265,13 +264,12 @@ class PipelineParallelStrategy(ParallelStrategy):
     @override
     @contextmanager
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        """``trainer.init_module(empty_init=True)`` builds on the meta device: setup gives each rank storage for only
-        what its stage holds, and initializes it (see :mod:`lightning_pp.model.materialize`)."""
-        if not empty_init:
-            with super().tensor_init_context(empty_init):
-                yield
-            return
-        with torch.device("meta"), self.precision_plugin.tensor_init_context():
+        """``empty_init=True`` builds on the meta device; setup materializes what each stage holds (see
+        :mod:`lightning_pp.model.materialize`)."""
+        meta = (torch.device("meta"), self.precision_plugin.tensor_init_context()) if empty_init else ()
+        with ExitStack() as stack:
+            for context in meta or (super().tensor_init_context(empty_init),):
+                stack.enter_context(context)
             yield
 
     @override
@@ -460,7 +458,7 @@ class PipelineParallelStrategy(ParallelStrategy):
             self._session.close()
         if self.object_group is not None and dist.is_initialized():
             dist.destroy_process_group(self.object_group)
-        self.object_group = None
+        self.object_group = None  # the mesh stays: blocks sharded over it gather through it after fit too
         if self._failures is not None:
             self._failures.stop()
             self._failures = None

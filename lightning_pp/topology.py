@@ -204,3 +204,4 @@ def create_device_mesh(layout: PipelineLayout, device_type: str) -> Any:
     from torch.distributed.device_mesh import init_device_mesh
 
     return init_device_mesh(device_type, (layout.num_stages, layout.num_replicas, 1), mesh_dim_names=MESH_DIMS)
+

@@ -381,7 +381,9 @@ def _probe_costs(module: pl.LightningModule, container_name: str, trainer: pl.Tr
                  microbatches: int, precision: Precision, recompute_every: int) -> BlockCosts | None:
     """Global rank 0's measurement on a deep copy of ``module`` (None: no batch to measure on)."""
     with preserved_random_state(device):
-        probe = copy.deepcopy(module)  # LightningModule's pickling leaves the trainer out: attach it again
+        # the job's DeviceMesh (process groups) is shared, not copied; LightningModule's pickling leaves the trainer
+        # out: attach it again
+        probe = copy.deepcopy(module, {id(module.device_mesh): module.device_mesh})
         probe.trainer = trainer
         for name in ("log", "log_dict"):  # the probe's calls must not reach the trainer's results
             setattr(probe, name, _silent)
