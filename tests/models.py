@@ -379,6 +379,17 @@ class Wide(MLPClassifier):
         self.head = nn.Linear(width, 5)
 
 
+class ShardsItsOwnBlocks(MLPClassifier):
+    """Applies FSDP2 to its blocks in ``configure_model`` as one would for Lightning's ``ModelParallelStrategy``."""
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+
+        for layer in self.layers:
+            if isinstance(layer, nn.Linear):
+                fully_shard(layer, mesh=self.device_mesh["data_parallel"])
+
+
 def _example_gpt() -> Any:
     """The GPT-style module of examples/train_gpt.py (attention, position embedding, head tied to the embedding)."""
     import sys
@@ -413,6 +424,7 @@ MODELS: dict[str, Callable[[], L.LightningModule]] = {
     "parameterless_stage": ParameterlessStage,
     "gain_on_last_stage": GainOnLastStage,
     "wide": Wide,
+    "shards_its_own_blocks": ShardsItsOwnBlocks,
     "frozen_front": FrozenFront,
     "unfreezes_front": UnfreezesFront,
     "gpt": lambda: _example_gpt().GPT(vocab_size=len(set(_example_gpt().make_corpus(4000)))),

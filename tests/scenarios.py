@@ -90,6 +90,7 @@ def meta_memory(**strategy: Any) -> dict[str, Any]:
 
     import lightning as L
     from models import MODELS, make_data
+    from torch.distributed.tensor import DTensor
 
     def resident_kib(field: str) -> int:  # VmRSS: now; VmHWM: the peak since the last reset
         line = next(line for line in Path("/proc/self/status").read_text().splitlines() if line.startswith(field))
@@ -100,8 +101,9 @@ def meta_memory(**strategy: Any) -> dict[str, Any]:
     class AtTrainStart(L.Callback):
         def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
             seen["peak"] = resident_kib("VmHWM:") * 1024
-            seen["held"] = sum(t.numel() * t.element_size() for t in (*pl_module.parameters(), *pl_module.buffers())
-                               if not t.is_meta)
+            seen["held"] = sum(local.numel() * local.element_size() for t in (*pl_module.parameters(),
+                                                                              *pl_module.buffers())
+                               if not (local := t.to_local() if isinstance(t, DTensor) else t).is_meta)
 
     L.seed_everything(7, verbose=False)
     trainer = L.Trainer(accelerator="cpu", devices=DEVICES, max_steps=1, logger=False, enable_checkpointing=False,
@@ -113,8 +115,9 @@ def meta_memory(**strategy: Any) -> dict[str, Any]:
         module = MODELS["wide"]()
     whole = sum(p.numel() * p.element_size() for p in module.parameters())
     trainer.fit(module, make_data("wide"))
+    local = [p.to_local() if isinstance(p, DTensor) else p for p in module.parameters()]
     return {"growth": seen["peak"] - before, "held": seen["held"], "whole": whole,
-            "finite": all(bool(p.isfinite().all()) for p in module.parameters())}
+            "finite": all(bool(p.isfinite().all()) for p in local)}
 
 
 def fit_then_validate(model: str, timeout: float = 60, **strategy: Any) -> dict[str, Any]:

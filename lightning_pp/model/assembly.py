@@ -136,8 +136,9 @@ def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout
                   f"{view.num_stages} stages of {[len(r) for r in view.ranges]} blocks")
     if recompute_every:
         partition.view.checkpoint_blocks(recompute_every)
-    if sharding is not None and not sharding.blocks:
+    if fresh:
         refuse_user_sharding(module)
+    if sharding is not None and not sharding.blocks:
         for name, block in partition.view.named_local_blocks():
             if has_meta_tensors(block):
                 _materialize_stage(module, device, loading_checkpoint, layout, rank, object_group, part=name)

@@ -1,11 +1,12 @@
-"""A model built on the meta device (``trainer.init_module(empty_init=True)``): each rank gives storage to, and
-initializes, only what its stage holds (``lightning_pp.model.materialize``).
+"""Models larger than one device. One built on the meta device (``trainer.init_module(empty_init=True)``): each rank
+gives storage to, and initializes, only what its stage holds (``lightning_pp.model.materialize``).
 
 Single-process: initialization follows the model's own code (Hugging Face's ``_init_weights``, torch's
 ``reset_parameters``), tied weights stay tied, the values do not depend on which blocks a rank holds, the global random
 state is untouched, and what nothing initializes is reported. Multi-process (2 gloo ranks): the memory a rank takes
-before training, and an uninitialized weight on one stage failing every stage. Training equivalence of meta-built
-GPT-2 and nanoGPT against one device: ``test_real_models.py``.
+before training (2 stages; 1 stage sharded over 2 replicas), an uninitialized weight on one stage failing every stage,
+and sharding the module applies itself refused. Training equivalence of meta-built GPT-2 and nanoGPT against one
+device: ``test_real_models.py``; of blocks sharded with FSDP2 against DDP: ``test_data_parallel.py``.
 """
 
 from __future__ import annotations
@@ -109,21 +110,31 @@ def test_a_module_off_the_meta_device_is_left_alone() -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
-def test_each_rank_takes_memory_for_its_stage_only_and_failures_reach_every_rank() -> None:
-    """`models.Wide` (64 MiB of blocks) on 2 stages: each rank's peak memory grows by about its half before training
-    (the whole model before this issue), and it holds half the blocks. A weight nothing initializes on the second
-    stage only fails both stages with our error, before any rank waits on a collective."""
+def test_each_rank_takes_memory_for_its_part_only_and_failures_reach_every_rank() -> None:
+    """`models.Wide` (64 MiB of blocks) built on the meta device, on 2 stages, then on 1 stage with its blocks sharded
+    over 2 replicas (``data_parallel="fsdp"``, materialized block by block): each rank's peak memory grows by about
+    its half before training (the whole model before this issue), and it holds half the blocks. A weight nothing
+    initializes on the second stage only, and FSDP applied by the module itself, fail every rank with our error,
+    before any rank waits on a collective."""
     ranks = launch(2, [{"scenario": "meta_memory", "kwargs": {}},
+                       {"scenario": "meta_memory", "kwargs": {"pipeline_parallel_size": 1, "data_parallel": "fsdp"}},
                        {"scenario": "expect_error", "kwargs": {"model": "gain_on_last_stage",
-                                                               "trainer": {"meta": True}}}], timeout=200)
+                                                               "trainer": {"meta": True}}},
+                       {"scenario": "expect_error", "kwargs": {"model": "shards_its_own_blocks",
+                                                               "pipeline_parallel_size": 1}}], timeout=240)
     for rank, result in enumerate(ranks):
         assert not result.errors, result.errors
-        memory, error = result.results
-        whole, held, growth = memory["whole"], memory["held"], memory["growth"]
-        print(f"rank {rank}: the model {whole / 2**20:.1f} MiB, held {held / 2**20:.1f} MiB, peak memory grew "
-              f"{growth / 2**20:.1f} MiB ({growth / whole:.2f} of the model)")
-        assert memory["finite"]
-        assert 0.45 * whole < held < 0.55 * whole, (held, whole)
-        assert growth < held + 0.35 * whole, (growth, held, whole)  # before: the whole model and more
-        assert error["type"] == "PipelineConfigError", error
-        assert "stage 1 (rank 1)" in error["message"] and "`layers.3.gain` (Gain)" in error["message"], error
+        *memory, uninitialized, own_sharding = result.results
+        for label, seen in zip(("2 stages", "1 stage, blocks sharded over 2 replicas"), memory, strict=True):
+            whole, held, growth = seen["whole"], seen["held"], seen["growth"]
+            print(f"{label}, rank {rank}: the model {whole / 2**20:.1f} MiB, held {held / 2**20:.1f} MiB, peak "
+                  f"memory grew {growth / 2**20:.1f} MiB ({growth / whole:.2f} of the model)")
+            assert seen["finite"], label
+            assert 0.45 * whole < held < 0.55 * whole, (label, held, whole)
+            assert growth < held + 0.35 * whole, (label, growth, held, whole)  # before: the whole model and more
+        assert uninitialized["type"] == "PipelineConfigError", uninitialized
+        assert "stage 1 (rank 1)" in uninitialized["message"], uninitialized
+        assert "`layers.3.gain` (Gain)" in uninitialized["message"], uninitialized
+        assert own_sharding["type"] == "PipelineConfigError", own_sharding
+        assert "already sharded with FSDP2" in own_sharding["message"], own_sharding
+        assert "data_parallel='fsdp'" in own_sharding["message"], own_sharding
