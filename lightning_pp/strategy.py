@@ -66,7 +66,9 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     With ``pipeline_parallel_size=P`` the world (``devices x num_nodes``) holds ``world / P`` data-parallel replicas of
     the pipeline, each loading its own shard of the data; every stage's gradients are averaged over its replicas once
-    per optimizer step, as DDP does. Replicas of a stage sit on neighbouring ranks (:attr:`layout`).
+    per optimizer step, as DDP does, or its blocks are sharded over them with FSDP2 (``data_parallel="fsdp"``).
+    Replicas of a stage sit on neighbouring ranks (:attr:`layout`, :attr:`device_mesh`). A module built under
+    ``trainer.init_module(empty_init=True)`` is on the meta device: each rank materializes only what it holds.
 
     Raises:
         PipelineConfigError: for an argument of the wrong type or value, a world size that is not a multiple of

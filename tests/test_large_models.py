@@ -138,3 +138,15 @@ def test_each_rank_takes_memory_for_its_part_only_and_failures_reach_every_rank(
         assert own_sharding["type"] == "PipelineConfigError", own_sharding
         assert "already sharded with FSDP2" in own_sharding["message"], own_sharding
         assert "data_parallel='fsdp'" in own_sharding["message"], own_sharding
+
+
+def test_the_calculator_prints_its_table() -> None:
+    """benchmarks/calculator.py (memory per GPU and the simulator's step for Llama 3 at P x D x T) runs end to end."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parents[1] / "benchmarks" / "calculator.py"
+    table = subprocess.run([sys.executable, str(script), "--table"], capture_output=True, text=True, timeout=120,
+                           check=True).stdout
+    assert table.count("| llama3-") >= 4, table
