@@ -249,8 +249,8 @@ def set_module_device_mesh(module: Any, mesh: Any) -> None:
 
 def reduce_fsdp_grads(module: Any) -> None:
     """Reduce-scatter the gradients an FSDP2 module accumulated over backwards run without gradient sync, and
-    reshard its weights: what torch.distributed.pipelining's REDUCE_GRAD action does after a step's last backward (its
-    backwards, like ours, do not run through ``loss.backward()``, so FSDP's end-of-backward callback never fires)."""
+    reshard its weights: what torch.distributed.pipelining's REDUCE_GRAD action does after a step's last backward
+    (FSDP's end-of-backward callback, queued by each backward, reduces nothing while gradient sync is off)."""
     from torch.distributed.fsdp import fully_shard
 
     module.set_is_last_backward(True)
@@ -261,3 +261,20 @@ def reduce_fsdp_grads(module: Any) -> None:
         for param_group in each._fsdp_param_groups:
             param_group.post_backward()
     state._root_post_backward_final_callback()
+
+
+def move_forward_hooks_last(module: torch.nn.Module, last: Callable[[Any], bool]) -> None:
+    """Reorder ``module``'s forward hooks so that those for which ``last(hook)`` holds run after the others."""
+    hooks = module._forward_hooks  # an OrderedDict: the call order
+    for key in [key for key, hook in hooks.items() if last(hook)]:
+        hooks.move_to_end(key)  # type: ignore[attr-defined]
+
+
+def unscale_local_grads(scaler: torch.amp.GradScaler, optimizer: Any, grads: list[torch.Tensor],
+                        device: torch.device) -> None:
+    """Unscale ``grads`` (plain tensors: sharded gradients' local shards) as ``scaler.unscale_(optimizer)`` unscales
+    the optimizer's gradients, adding their inf/NaN verdict to the one it recorded for ``device``."""
+    found = _found_inf_per_device(scaler, optimizer)
+    verdict = found.setdefault(device, torch.zeros(1, dtype=torch.float32, device=device))
+    inverse = scaler._scale.double().reciprocal().float()  # type: ignore[union-attr]
+    torch._amp_foreach_non_finite_check_and_unscale_(grads, verdict, inverse.to(device))

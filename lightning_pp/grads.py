@@ -77,11 +77,14 @@ class PipelineGradients:
 
     def install(self, precision_plugin: Any, scaler: torch.amp.GradScaler | None) -> None:
         """Route Lightning's norm clipping through :meth:`clip_by_global_norm` (Lightning clips by the norm of this
-        stage's gradients; the right norm spans every stage) and the fp16 scaler's unscale through
+        stage's gradients; the right norm spans every stage), its value clipping through :func:`clip_by_value` (torch's
+        cannot mix sharded and whole gradients) and the fp16 scaler's unscale through
         :meth:`unscale_agreeing` (a stage that finds inf/NaN must make every stage skip the step and back off the
         scale alike), until :meth:`uninstall`."""
         self._installed.append(_replace(precision_plugin, "clip_grad_by_norm", lambda optimizer, clip_val: (
             self.clip_by_global_norm(precision_plugin.main_params(optimizer), clip_val))))
+        self._installed.append(_replace(precision_plugin, "clip_grad_by_value", lambda optimizer, clip_val: (
+            clip_by_value(precision_plugin.main_params(optimizer), clip_val))))
         if scaler is not None:
             local_unscale = scaler.unscale_
             self._installed.append(_replace(scaler, "unscale_", lambda optimizer: (
@@ -194,8 +197,20 @@ class PipelineGradients:
 
     def unscale_agreeing(self, scaler: torch.amp.GradScaler, unscale: Callable[[Optimizer], None],
                          optimizer: Optimizer) -> None:
-        """Unscale, then make the inf/NaN verdict the same on every rank (the max over the world)."""
-        unscale(optimizer)
+        """Unscale, then make the inf/NaN verdict the same on every rank (the max over the world). Sharded gradients
+        (``data_parallel="fsdp"``) are unscaled by their local shards, after the whole ones: torch's unscale cannot
+        take both in one call."""
+        sharded = [p for group in optimizer.param_groups for p in group["params"] if isinstance(p.grad, DTensor)]
+        grads = [p.grad for p in sharded]
+        for p in sharded:
+            p.grad = None
+        try:
+            unscale(optimizer)
+        finally:
+            for p, grad in zip(sharded, grads, strict=True):
+                p.grad = grad
+        if grads:
+            _compat.unscale_local_grads(scaler, optimizer, [g.to_local() for g in grads], self.device)
         found = _compat._found_inf_per_device(scaler, optimizer)
         verdict = torch.zeros((), dtype=torch.float32, device=self.device)
         for value in found.values():
@@ -228,6 +243,14 @@ def enabled_scaler(precision_plugin: Any) -> torch.amp.GradScaler | None:
     """The precision plugin's gradient scaler when it scales (fp16), else None."""
     scaler = getattr(precision_plugin, "scaler", None)
     return scaler if isinstance(scaler, torch.amp.GradScaler) and scaler.is_enabled() else None
+
+
+def clip_by_value(params: Iterable[nn.Parameter], clip_val: float) -> None:
+    """Clamp every gradient to ``[-clip_val, clip_val]`` (a sharded one by its local shard)."""
+    with torch.no_grad():
+        for p in params:
+            if p.grad is not None:
+                (p.grad.to_local() if isinstance(p.grad, DTensor) else p.grad).clamp_(-clip_val, clip_val)
 
 
 def add_to_grads(pending: Iterable[tuple[nn.Parameter, Tensor]]) -> None:

@@ -6,7 +6,7 @@ torch.distributed.pipelining does. Checkpoints see whole tensors: :func:`full_te
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from typing import Any
 
 from torch import Tensor, nn
@@ -15,11 +15,16 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from lightning_pp import _compat
 from lightning_pp.errors import PipelineConfigError
 
-__all__ = ["BlockSharding", "full_tensors", "is_sharded", "refuse_user_sharding", "shard_like"]
+__all__ = ["BlockSharding", "full_tensors", "is_sharded", "is_sharded_module", "refuse_shared_block_weights",
+           "refuse_user_sharding", "shard_like"]
 
 
 def is_sharded(tensor: Any) -> bool:
     return isinstance(tensor, DTensor)
+
+
+def is_sharded_module(module: nn.Module | None) -> bool:
+    return module is not None and any(isinstance(p, DTensor) for p in module.parameters())
 
 
 class BlockSharding:
@@ -37,11 +42,15 @@ class BlockSharding:
             return None
         return cls(job_mesh["data_parallel"])
 
-    def shard(self, block: nn.Module) -> None:
-        """Make ``block`` an FSDP2 unit whose backwards only accumulate (see :meth:`reduce_grads`)."""
+    def shard(self, block: nn.Module, last: Callable[[Any], bool]) -> None:
+        """Make ``block`` an FSDP2 unit whose backwards only accumulate (see :meth:`reduce_grads`). Its forward hooks
+        for which ``last(hook)`` holds (the pipeline's: the end of a stage stops the step) run after FSDP's."""
         from torch.distributed.fsdp import fully_shard
 
         fully_shard(block, mesh=self.mesh)
+        _compat.move_forward_hooks_last(block, last)
+        # a weight unused on one replica (data-dependent routing) still takes part in the reduce-scatter, with zeros
+        block.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
         self._accumulate_only(block)
         self.blocks.append(block)
 
@@ -52,6 +61,12 @@ class BlockSharding:
         block.set_reshard_after_backward(False)
         block.set_requires_gradient_sync(False)
 
+    def reshard(self) -> None:
+        """Free the gathered weights (no communication), so that between steps a replica holds its shards only: after
+        an evaluation loop, whose passes leave them gathered (each block is its own FSDP root)."""
+        for block in self.blocks:
+            block.reshard()  # type: ignore[operator]
+
     def reduce_grads(self) -> None:
         """Reduce-scatter what the step's backwards accumulated (each replica's shard gets the replicas' mean, as DDP
         averages) and reshard the weights; then back to accumulating."""
@@ -61,11 +76,11 @@ class BlockSharding:
 
 
 def full_tensors(state: Mapping[str, Any]) -> dict[str, Any]:
-    """``state`` with every sharded tensor gathered whole (a collective over its mesh: every replica of the stage
-    calls it, in the same order); nested dicts (an optimizer's per-parameter state) too."""
+    """``state`` with every sharded tensor gathered whole, on the CPU (a collective over its mesh: every replica of the
+    stage calls it, in the same order); nested dicts (an optimizer's per-parameter state) too."""
     def whole(value: Any) -> Any:
         if isinstance(value, DTensor):
-            return value.full_tensor()
+            return value.full_tensor().cpu()  # one whole tensor on the device at a time
         if isinstance(value, Mapping):
             return {k: whole(v) for k, v in value.items()}
         return value
@@ -99,3 +114,19 @@ def refuse_user_sharding(module: nn.Module) -> None:
             f"Parameters {sharded[:3]} are DTensors (tensor parallelism or sharding applied before setup), which "
             f"PipelineParallelStrategy does not combine with its split yet. Build the module with plain tensors; "
             f"data_parallel='fsdp' shards each stage's blocks over the replicas.")
+
+
+def refuse_shared_block_weights(blocks: list[tuple[str, nn.Module]], outside: list[nn.Parameter]) -> None:
+    """Each block is its own FSDP2 unit, so a weight two of a stage's blocks share (or a block listed twice) would be
+    sharded twice and trained as two weights: our error instead (the split already refuses sharing across stages and
+    with the weights outside the blocks)."""
+    owner: dict[int, str] = {}
+    outside_ids = {id(p) for p in outside}
+    for name, block in blocks:
+        for p in block.parameters():
+            first = owner.setdefault(id(p), name)
+            if first != name or id(p) in outside_ids:
+                raise PipelineConfigError(
+                    f"`{name}` shares a weight with `{first}`; with data_parallel='fsdp' each block is sharded on "
+                    f"its own, so blocks cannot share weights. Use data_parallel='ddp', or tie the weight outside "
+                    f"the blocks.")

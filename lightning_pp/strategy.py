@@ -34,13 +34,13 @@ from lightning_pp.grads import enabled_scaler
 from lightning_pp.model.assembly import (
     assemble_stage,
     balance_for,
-    refuse_manual_optimization,
+    refuse_unsupported,
     setup_optimizers_everywhere,
 )
 from lightning_pp.model.session import StageSession, release
 from lightning_pp.options import PipelineOptions, documented_arguments
 from lightning_pp.schedules import StepSchedules
-from lightning_pp.sharding import BlockSharding
+from lightning_pp.sharding import BlockSharding, is_sharded_module
 from lightning_pp.telemetry import PipelineTelemetry
 from lightning_pp.topology import (
     PipelineLayout,
@@ -226,8 +226,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting:
-            refuse_manual_optimization(module)
+        refuse_unsupported(module, fitting)
         assert self._schedules is not None  # set up with the world
         schedule = self._schedules(self.microbatches, False)  # raises for a count it cannot run
         assembly = assemble_stage(
@@ -238,7 +237,6 @@ class PipelineParallelStrategy(ParallelStrategy):
             recompute_every=self.options.recompute_every,
             device=self.root_device, new_group=self._new_group, to_device=self._convert_and_move,
             place_where_used=fitting and self.num_stages > 1 and self.options.outside_weights == "where_used",
-            loading_checkpoint=trainer.ckpt_path is not None, object_group=self.object_group,
             sharding=BlockSharding.over(self.device_mesh) if self.options.data_parallel == "fsdp" else None)
         try:
             if fitting:
@@ -352,23 +350,43 @@ class PipelineParallelStrategy(ParallelStrategy):
     def on_train_start(self) -> None:
         if self._session is not None:
             self._session.restore_example_input()
-        self._decide_outputs("training_step")
+        self._start_loop("training_step")
 
     @override
     def on_validation_start(self) -> None:
-        self._decide_outputs("validation_step")
+        self._start_loop("validation_step")
 
     @override
     def on_test_start(self) -> None:
-        self._decide_outputs("test_step")
+        self._start_loop("test_step")
 
     @override
     def on_predict_start(self) -> None:
-        self._decide_outputs("predict_step")
+        self._start_loop("predict_step")
 
-    def _decide_outputs(self, step_name: str) -> None:
+    def _start_loop(self, step_name: str) -> None:
         if self._session is not None:
-            self._session.decide_outputs(step_name, self._collective)
+            self._session.start_loop(step_name, self._collective)
+
+    @override
+    def on_train_end(self) -> None:
+        self._end_loop()
+
+    @override
+    def on_validation_end(self) -> None:
+        self._end_loop()
+
+    @override
+    def on_test_end(self) -> None:
+        self._end_loop()
+
+    @override
+    def on_predict_end(self) -> None:
+        self._end_loop()
+
+    def _end_loop(self) -> None:
+        if self._session is not None:
+            self._session.end_loop()
 
     @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
@@ -464,7 +482,10 @@ class PipelineParallelStrategy(ParallelStrategy):
         if self._failures is not None:
             self._failures.stop()
             self._failures = None
-        super().teardown()
+        if is_sharded_module(self.lightning_module):  # as ModelParallelStrategy: shards stay on their devices
+            self.precision_plugin.teardown()
+        else:
+            super().teardown()
 
 
 # the arguments, described once beside PipelineOptions' fields

@@ -197,11 +197,20 @@ def gather_reports(report: str | None, world_size: int, group: Any) -> list[str]
 
 def create_device_mesh(layout: PipelineLayout, device_type: str) -> Any:
     """The job's ranks as a DeviceMesh of ``MESH_DIMS`` (pipeline outermost; one tensor-parallel rank each), laid out
-    as ``layout`` places them (``rank = stage * num_replicas + replica``); every rank creates it (collective). None
-    without a process group."""
+    as ``layout`` places them (``rank = stage * num_replicas + replica``); every rank creates it (collective) once per
+    process group. None without a process group."""
     if not dist.is_initialized():
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
-    return init_device_mesh(device_type, (layout.num_stages, layout.num_replicas, 1), mesh_dim_names=MESH_DIMS)
+    key = (layout.num_stages, layout.num_replicas, device_type)
+    world = dist.group.WORLD
+    made = _MESHES.get(key)
+    if made is None or made[0] is not world:  # one per process group: later runs (validate after fit) reuse it
+        made = _MESHES[key] = (world, init_device_mesh(device_type, (layout.num_stages, layout.num_replicas, 1),
+                                                       mesh_dim_names=MESH_DIMS))
+    return made[1]
+
+
+_MESHES: dict[tuple[int, int, str], tuple[Any, Any]] = {}  # layout -> (the default group it was made in, the mesh)
 

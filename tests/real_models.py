@@ -1076,11 +1076,11 @@ def _build(spec: Spec, strategy: Any) -> L.LightningModule:
     if not spec.meta:
         return spec.build()
     if strategy == "auto":
-        from lightning_pp.model.materialize import materialize
+        from lightning_pp.model.materialize import left_uninitialized, materialize
 
         with torch.device("meta"):
             module = spec.build()
-        assert materialize(module, torch.device("cpu"), loading_checkpoint=False) is None
+        assert left_uninitialized(module, materialize(module, torch.device("cpu"))) is None
         return module
     with strategy.tensor_init_context(empty_init=True):  # what trainer.init_module(empty_init=True) enters
         module = spec.build()

@@ -93,6 +93,12 @@ CLIPPED = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm", "accumu
 FSDP_RUNS = [("mlp_sgd", "1f1b", {}), ("mlp_sgd", "gpipe", {}), ("tied_sgd", "zb_h1", {}),
              ("tied_sgd", "interleaved_1f1b", {}), ("tied_sgd", "1f1b", CLIPPED)]
 FIRST_FSDP_RUN = CLIPPED_RUN + 1
+# pairs of runs that differ only in data_parallel ("ddp", "fsdp"): a meta build split unevenly, each rank seeded
+# differently, fp16 with a gradient scaler and value clipping; a fit then validate (a later run on the module)
+PAIRED = {"model": "mlp_sgd", "schedule": "1f1b", "microbatches": 4, "pipeline_parallel_size": STAGES,
+          "balance": [2, 6], "fp16_scaler": True, "seed_per_rank": True,
+          "trainer": {"meta": True, "gradient_clip_val": 0.05, "gradient_clip_algorithm": "value"}}
+FIRST_PAIRED_RUN = FIRST_FSDP_RUN + len(FSDP_RUNS)
 DDP_RUNS = {"mlp_sgd": 0, "tied_sgd": 1, "synced_metrics": 2, "clipped": 3}  # run -> index in the DDP job
 DDP_AGAIN, DDP_RESUMED = 4, 5  # mlp_sgd once more (determinism); resumed from its own checkpoint for one epoch
 
@@ -134,7 +140,13 @@ def pipelined_job(checkpoints: Path) -> Job:
         runs.append(pipelined_replicas(model, schedule, data_parallel="fsdp",
                                        trainer={"record_batches": True, **trainer},
                                        **(saves[index] if index < len(saves) else {})))
-    return run_job(REPLICAS * STAGES, runs, timeout=300)
+    for data_parallel in ("ddp", "fsdp"):
+        runs.append({"scenario": "train", "kwargs": {**PAIRED, "data_parallel": data_parallel}})
+    for data_parallel in ("ddp", "fsdp"):
+        runs.append({"scenario": "fit_then_validate", "kwargs": {
+            "model": "bn_head_validated", "microbatches": 2, "pipeline_parallel_size": STAGES,
+            "data_parallel": data_parallel}})
+    return run_job(REPLICAS * STAGES, runs, timeout=360)
 
 
 @pytest.fixture(scope="module")
@@ -288,6 +300,28 @@ def test_blocks_sharded_over_the_replicas_with_fsdp2_match_ddp(ddp_job: Job, pip
                                    msg=prefixed(f"fsdp full checkpoint {name}"))
     assert_optimizer_states_match(ours["optimizer_states"], theirs["optimizer_states"])
     MLPClassifierSGD.load_from_checkpoint(checkpoints / "fsdp_full.ckpt", weights_only=True)
+
+
+@pytest.mark.multiprocess
+def test_fsdp2_trains_as_ddp_replicas_do_with_meta_build_fp16_value_clipping_and_a_later_run(pipelined_job: Job
+                                                                                             ) -> None:
+    """The same pipeline with ``data_parallel="ddp"`` and ``"fsdp"``: built on the meta device and split unevenly
+    ([2, 6] blocks: stages materialize and shard different numbers of blocks), each rank seeded differently (the
+    blocks start from replica 0's values either way), fp16 with a gradient scaler (sharded and whole gradients unscaled
+    alike) and clipping by value: equal weights, loss and scale. Then ``trainer.validate`` after ``fit`` on the same
+    module (the shards are kept, the gathered weights freed at the end of each loop): equal results."""
+    ranks = pipelined_job.get()
+    (ddp_state, ddp_history), (fsdp_state, fsdp_history) = (assemble(ranks, FIRST_PAIRED_RUN + i) for i in (0, 1))
+    for name, value in ddp_state.items():
+        torch.testing.assert_close(fsdp_state[name], value, rtol=RTOL, atol=ATOL, msg=prefixed(f"fsdp vs ddp {name}"))
+        assert value.isfinite().all(), name
+    for (step, got), (_, want) in zip(fsdp_history, ddp_history, strict=True):
+        assert_same_metrics(got, want, f"fsdp vs ddp step {step}", of="ddp's ")
+    scales = {rank.results[FIRST_PAIRED_RUN + i]["scale"] for rank in ranks for i in (0, 1)}
+    assert len(scales) == 1, scales
+    validated = [[rank.results[FIRST_PAIRED_RUN + 2 + i]["validate"] for rank in ranks] for i in (0, 1)]
+    for got, want in zip(validated[1], validated[0], strict=True):
+        assert_same_metrics(got[0], want[0], "validate after fit, fsdp vs ddp", of="ddp's ")
 
 
 @pytest.mark.multiprocess

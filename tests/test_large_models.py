@@ -16,7 +16,7 @@ import torch
 from _launch import launch
 from torch import nn
 
-from lightning_pp.model.materialize import has_meta_tensors, materialize
+from lightning_pp.model.materialize import has_meta_tensors, left_uninitialized, materialize
 
 CPU = torch.device("cpu")
 
@@ -47,7 +47,8 @@ def test_initialized_as_the_model_initializes_itself(build: object) -> None:
     torch.manual_seed(3)
     model = _on_meta(build)
     state = torch.get_rng_state()
-    assert materialize(model, CPU, loading_checkpoint=False) is None
+    made = materialize(model, CPU)
+    assert made and left_uninitialized(model, made) is None
     assert torch.equal(torch.get_rng_state(), state)
     assert not has_meta_tensors(model)
     reference = build()  # type: ignore[operator]
@@ -67,44 +68,65 @@ def test_tied_weights_stay_tied_and_values_do_not_depend_on_the_layout() -> None
     whole, stage = _on_meta(_gpt2), _on_meta(_gpt2)
     stage.transformer.h[0] = nn.Identity()  # held by another stage
     for model in (whole, stage):
-        assert materialize(model, CPU, loading_checkpoint=False) is None
+        assert left_uninitialized(model, materialize(model, CPU)) is None
         assert model.lm_head.weight is model.transformer.wte.weight
     for name, value in stage.state_dict().items():
         assert torch.equal(value, whole.state_dict()[name]), name
     torch.manual_seed(6)
     other_seed = _on_meta(_gpt2)
-    materialize(other_seed, CPU, loading_checkpoint=False)
+    materialize(other_seed, CPU)
     assert not torch.equal(other_seed.transformer.h[1].mlp.c_fc.weight, whole.transformer.h[1].mlp.c_fc.weight)
 
 
 class _Custom(nn.Module):
-    """What nothing can initialize: a bare parameter, a persistent and a non-persistent buffer, a boolean mask."""
+    """What nothing initializes: a bare parameter, a persistent and a non-persistent buffer, a boolean mask; and a
+    norm of its own with ``reset_parameters`` (initialized, though the module has ``_init_weights`` and ``config``
+    attributes as a Hugging Face model has: only a real one is treated as one)."""
 
     def __init__(self) -> None:
         super().__init__()
         self.linear = nn.Linear(4, 4)  # fine: reset_parameters
+        self.norm = _Norm()
         self.scale = nn.Parameter(torch.ones(4))
         self.register_buffer("steps", torch.zeros((), dtype=torch.long))
         self.register_buffer("freqs", torch.arange(4.0), persistent=False)
         self.register_buffer("mask", torch.ones(4, 4, dtype=torch.bool).tril(), persistent=False)
+        self.config = {}
+
+    def _init_weights(self, module: nn.Module) -> None:
+        pass
+
+
+class _Norm(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.ones(4))
+
+    def reset_parameters(self) -> None:
+        nn.init.ones_(self.weight)
 
 
 def test_what_nothing_initializes_is_reported_with_the_fix() -> None:
-    report = materialize(_on_meta(_Custom), CPU, loading_checkpoint=False)
+    model = _on_meta(_Custom)
+    made = materialize(model, CPU)
+    report = left_uninitialized(model, made)
     assert report is not None
     for name in ("`scale` (_Custom)", "`steps` (_Custom)", "`freqs` (_Custom)", "`mask` (_Custom)"):
         assert name in report
-    assert "linear" not in report and "reset_parameters()" in report and "ckpt_path" in report
-    # a checkpoint sets what it holds; buffers it does not hold must still be set by the module
-    report = materialize(_on_meta(_Custom), CPU, loading_checkpoint=True)
-    assert report is not None and "`freqs`" in report and "`mask`" in report
-    assert "`scale`" not in report and "`steps`" not in report
+    assert "linear" not in report and "norm" not in report
+    assert "reset_parameters()" in report and "ckpt_path" in report
+    # what a checkpoint sets afterwards counts as set
+    with torch.no_grad():
+        model.scale.fill_(1.0)
+        model.steps.zero_()
+    report = left_uninitialized(model, made)
+    assert report is not None and "`scale`" not in report and "`steps`" not in report and "`mask`" in report
 
 
 def test_a_module_off_the_meta_device_is_left_alone() -> None:
     model = nn.Linear(3, 3)
     before = model.weight.detach().clone()
-    assert materialize(model, CPU, loading_checkpoint=False) is None
+    assert materialize(model, CPU) == []
     assert torch.equal(model.weight, before)
 
 

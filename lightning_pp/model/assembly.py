@@ -9,7 +9,7 @@ import logging
 import weakref
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -20,15 +20,17 @@ from lightning_pp.actions import Schedule
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.grads import PipelineGradients, broadcast_tensors
 from lightning_pp.model.balance import resolve_balance
-from lightning_pp.model.materialize import has_meta_tensors, materialize
+from lightning_pp.model.materialize import has_meta_tensors, left_uninitialized, materialize
 from lightning_pp.model.placement import WeightPlacement
+from lightning_pp.model.sides import not_ours
 from lightning_pp.model.split import Partition, split_module
 from lightning_pp.options import PipelineOptions
-from lightning_pp.sharding import BlockSharding, is_sharded, refuse_user_sharding
+from lightning_pp.sharding import BlockSharding, is_sharded, refuse_shared_block_weights, refuse_user_sharding
 from lightning_pp.topology import PipelineLayout, StageGroups, create_groups, create_sharing_groups, gather_reports
 
-__all__ = ["StageAssembly", "assemble_stage", "balance_for", "is_assembled", "place_outside_weights", "placement_of",
-           "refuse_manual_optimization", "set_aside_example_input", "setup_optimizers_everywhere"]
+__all__ = ["StageAssembly", "assemble_stage", "balance_for", "check_initialized", "is_assembled",
+           "place_outside_weights", "placement_of", "refuse_manual_optimization", "refuse_unsupported",
+           "set_aside_example_input", "setup_optimizers_everywhere"]
 
 log = logging.getLogger(__name__)
 
@@ -39,6 +41,7 @@ class _EarlierRun:
 
     partition: Partition  # its split, kept whatever balance a later run asks for
     placement: WeightPlacement | None = None  # where it left the weights outside the blocks (some ranks only)
+    sharding: BlockSharding | None = None  # its blocks sharded over the replicas (data_parallel="fsdp")
 
 
 _EARLIER_RUNS: weakref.WeakKeyDictionary[nn.Module, _EarlierRun] = weakref.WeakKeyDictionary()
@@ -56,6 +59,8 @@ class StageAssembly:
     placement: WeightPlacement | None
     places: bool  # whether this run places the weights outside the blocks where they are used
     sharding: BlockSharding | None = None  # the blocks sharded over the stage's replicas (data_parallel="fsdp")
+    # the tensors a meta-device build made here, to be checked once a checkpoint had its chance to set them
+    materialized: list[str] = field(default_factory=list)
 
     @property
     def placing(self) -> WeightPlacement | None:
@@ -72,6 +77,15 @@ def placement_of(module: nn.Module) -> WeightPlacement | None:
     """The placement a run made of ``module``'s weights outside the blocks, if any."""
     earlier = _EARLIER_RUNS.get(module)
     return earlier.placement if earlier is not None else None
+
+
+def refuse_unsupported(module: Any, fitting: bool) -> None:
+    """Before any collective: sharding the module applied itself (before our first run on it), and (fit) manual
+    optimization, are refused."""
+    if not is_assembled(module):
+        refuse_user_sharding(module)
+    if fitting:
+        refuse_manual_optimization(module)
 
 
 def refuse_manual_optimization(module: Any) -> None:
@@ -114,15 +128,13 @@ def balance_for(options: PipelineOptions, module: Any, trainer: Any, num_ranks: 
 def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout, rank: int, *, blocks: str | None,
                    balance: Sequence[int] | None, recompute_every: int, device: torch.device,
                    new_group: Callable[[list[int]], Any], to_device: Callable[[], None],
-                   place_where_used: bool, loading_checkpoint: bool, object_group: Any,
-                   sharding: BlockSharding | None = None) -> StageAssembly:
+                   place_where_used: bool, sharding: BlockSharding | None = None) -> StageAssembly:
     """Split ``module`` into this rank's stages of ``schedule`` (a later run on the same module keeps what the earlier
-    one trained), give what this rank holds of a meta-device build its storage, move it with ``to_device``, create the
-    groups, and start every rank from the same weights: rank 0's outside the blocks and replica 0's blocks, as DDP
-    starts. ``place_where_used``: a training run that places the weights outside the blocks where they are used
-    (``outside_weights="where_used"``); ``loading_checkpoint``: ``fit(ckpt_path=...)`` will set the weights;
-    ``sharding``: shard this rank's blocks over the stage's replicas (a meta build block by block, so that no rank
-    holds its stage whole)."""
+    one trained), create the groups, give what this rank holds of a meta-device build its storage, move it with
+    ``to_device``, and start every rank from the same weights: rank 0's outside the blocks and replica 0's blocks, as
+    DDP starts. ``place_where_used``: a training run that places the weights outside the blocks where they are used
+    (``outside_weights="where_used"``); ``sharding``: shard this rank's blocks over the stage's replicas (block by
+    block, so that no rank holds its stage whole at setup)."""
     stage = layout.stage_of(rank)
     earlier = _EARLIER_RUNS.get(module)
     fresh = earlier is None
@@ -136,24 +148,21 @@ def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout
                   f"{view.num_stages} stages of {[len(r) for r in view.ranges]} blocks")
     if recompute_every:
         partition.view.checkpoint_blocks(recompute_every)
-    if fresh:
-        refuse_user_sharding(module)
-    if sharding is not None and not sharding.blocks:
-        for name, block in partition.view.named_local_blocks():
-            if has_meta_tensors(block):
-                _materialize_stage(module, device, loading_checkpoint, layout, rank, object_group, part=name)
-            sharding.shard(block.to(device))
+    groups = create_groups(layout, rank, new_group, p2p_groups=2 if schedule.stages_per_rank == 1 else 4,
+                           last_position=schedule.stage_to_rank[-1])
+    if rank == 0 and layout.num_replicas > 1:
+        print(f"lightning_pp: {layout}")
+    made: list[str] = []
+    if sharding is not None and earlier.sharding is None:  # a later run keeps the earlier run's shards
+        made += _shard_blocks(module, partition, sharding, groups, device)
+        earlier.sharding = sharding
     if has_meta_tensors(module):  # alike on every rank: the module was built alike
-        _materialize_stage(module, device, loading_checkpoint, layout, rank, object_group)
+        made += materialize(module, device)
     placement = earlier.placement
     if placement is not None:  # an earlier run may have left some weights on some ranks only
         placement.restore(lambda tensors, position: broadcast_tensors(tensors, layout.rank(position, 0), None,
                                                                       device))
     to_device()
-    groups = create_groups(layout, rank, new_group, p2p_groups=2 if schedule.stages_per_rank == 1 else 4,
-                           last_position=schedule.stage_to_rank[-1])
-    if rank == 0 and layout.num_replicas > 1:
-        print(f"lightning_pp: {layout}")
     shared, shared_buffers = partition.shared_tensors(module)
     if layout.world_size > 1 and fresh:
         # later runs: the placement's restore above brought each weight back from a rank that held it; a head's
@@ -167,14 +176,33 @@ def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout
         placement = earlier.placement = WeightPlacement(module, shared, stage, layout.num_stages)
     partition.view.pass_context = placement.reads if placement is not None else contextlib.nullcontext
     return StageAssembly(partition, groups, shared, PipelineGradients(shared, groups, device), placement,
-                         place_where_used, sharding)
+                         place_where_used, earlier.sharding, made)
 
 
-def _materialize_stage(module: nn.Module, device: torch.device, loading_checkpoint: bool, layout: PipelineLayout,
-                       rank: int, object_group: Any, part: str = "") -> None:
-    """Materialize this rank's part of a meta-device build (see :mod:`lightning_pp.model.materialize`; ``part``: one
-    submodule only); what is left uninitialized on any rank is an error on every rank."""
-    report = materialize(module, device, loading_checkpoint=loading_checkpoint, part=part)
+def _shard_blocks(module: nn.Module, partition: Partition, sharding: BlockSharding, groups: StageGroups,
+                  device: torch.device) -> list[str]:
+    """Shard this rank's blocks over the stage's replicas, one at a time: materialize it (a meta build), give it replica
+    0's values (as DDP starts), shard it. Returns the names of the tensors materialized."""
+    layout = groups.layout
+    made: list[str] = []
+    local = partition.view.named_local_blocks()
+    refuse_shared_block_weights(local, partition.shared_tensors(module)[0])
+    for name, block in local:
+        if has_meta_tensors(block):
+            made += materialize(module, device, part=name)
+        block.to(device)
+        broadcast_tensors([*block.parameters(), *block.buffers()], layout.rank(groups.stage, 0), groups.replicas,
+                          device)
+        sharding.shard(block, last=lambda hook: not not_ours(hook))
+    return made
+
+
+def check_initialized(assembly: StageAssembly, module: nn.Module, layout: PipelineLayout, rank: int,
+                      object_group: Any) -> None:
+    """Once a checkpoint had its chance to set them: what a meta-device build left uninitialized on any rank is an
+    error on every rank (see :mod:`lightning_pp.model.materialize`)."""
+    made, assembly.materialized = assembly.materialized, []
+    report = left_uninitialized(module, made) if made else None
     where = f"stage {layout.stage_of(rank)} (rank {rank})"
     failed = gather_reports(f"{where}: {report}" if report is not None else None, layout.world_size, object_group)
     if failed:

@@ -1,19 +1,23 @@
 """A stage of a model built on the meta device: after the split, each rank gives storage only to the tensors it holds
 (its blocks and the weights outside the blocks) and initializes them, so no rank ever allocates the whole model.
 
-Initialization follows the module's own code, as Lightning's ``ModelParallelStrategy`` does: a module inside a Hugging
-Face model gets that model's ``_init_weights`` (what ``from_config`` runs); any other module its ``reset_parameters()``
-(torch's layers; ``_reset_parameters()`` for ``nn.MultiheadAttention``). Modules are visited children first, so a
-parent's initializer has the last word, as in a constructor. Each module draws from its own random stream, seeded from
-the job's seed (``torch.initial_seed()``) and the module's name in the whole model: the initial values do not depend on
-the layout (how many stages, which rank), and the global random state is left as it was.
+Initialization follows the module's own code, as Lightning's ``ModelParallelStrategy`` does: each module that holds
+meta tensors itself runs its ``reset_parameters()`` (torch's layers; ``_reset_parameters()`` for
+``nn.MultiheadAttention``), and inside a Hugging Face model every module above them also runs that model's
+``_init_weights`` after it (what ``from_config`` runs; it dispatches on the module's type, so a parent's scaled
+initialization of its children has the last word, as in a constructor). Modules are visited children first. Each
+module draws from its own random stream, seeded from the job's seed (``torch.initial_seed()``) and the module's name in
+the whole model: the initial values do not depend on the layout (how many stages, which rank), and the global random
+state is left as it was.
 
-Tensors are filled with a sentinel (NaN; the largest integer) before initialization, and any left with it afterwards
-are reported: a pattern that would train on uninitialized memory is refused, never run.
+Tensors are filled with a sentinel (NaN; the largest integer; the byte 0xFF for booleans) before initialization, and
+:func:`left_uninitialized` finds those still holding it once a checkpoint had its chance to set them: a pattern that
+would train on uninitialized memory is refused, never run.
 """
 
 from __future__ import annotations
 
+import sys
 import zlib
 from collections.abc import Iterator
 from typing import Any
@@ -21,7 +25,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
-__all__ = ["has_meta_tensors", "materialize"]
+__all__ = ["has_meta_tensors", "left_uninitialized", "materialize"]
 
 
 def has_meta_tensors(module: nn.Module) -> bool:
@@ -43,7 +47,9 @@ def _filled_with_sentinel(like: Tensor, device: torch.device) -> Tensor:
     storage = torch.empty_like(like, device=device)
     if storage.is_floating_point() or storage.is_complex():
         storage.fill_(float("nan"))
-    elif storage.dtype != torch.bool:
+    elif storage.dtype == torch.bool:
+        storage.view(torch.uint8).fill_(0xFF)  # not a valid boolean: set ones hold 0 or 1
+    else:
         storage.fill_(torch.iinfo(storage.dtype).max)
     return storage
 
@@ -52,23 +58,13 @@ def _still_sentinel(tensor: Tensor) -> bool:
     if tensor.is_floating_point() or tensor.is_complex():
         return bool(tensor.isnan().any())
     if tensor.dtype == torch.bool:
-        return False  # judged by whether its module had an initializer
+        return bool((tensor.view(torch.uint8) > 1).any())
     return bool((tensor == torch.iinfo(tensor.dtype).max).any())
 
 
-def _initializer(module: nn.Module, hf_model: Any) -> Any:
-    """The function that initializes ``module``'s own tensors, or None."""
-    if hf_model is not None:
-        return lambda: hf_model._init_weights(module)
-    for name in ("reset_parameters", "_reset_parameters"):
-        method = getattr(module, name, None)
-        if callable(method):
-            return method
-    return None
-
-
 def _is_hf_model(module: nn.Module) -> bool:
-    return callable(getattr(module, "_init_weights", None)) and hasattr(module, "config")
+    modeling = sys.modules.get("transformers.modeling_utils")  # only where Hugging Face is in use
+    return modeling is not None and isinstance(module, modeling.PreTrainedModel)
 
 
 def _modules_children_first(module: nn.Module, prefix: str = "", hf_model: Any = None,
@@ -84,41 +80,17 @@ def _modules_children_first(module: nn.Module, prefix: str = "", hf_model: Any =
     yield prefix, module, hf_model
 
 
-def materialize(module: nn.Module, device: torch.device, *, loading_checkpoint: bool, part: str = "") -> str | None:
-    """Give every meta tensor of ``module`` storage on ``device`` and initialize it (see the module docstring); tied
-    weights stay tied. Returns None, or what is left uninitialized (with the fix) as a message. With
-    ``loading_checkpoint`` (``fit(ckpt_path=...)``), tensors the checkpoint holds may stay uninitialized: it sets
-    them. ``part``: only this submodule of ``module`` (a block), named and initialized as within the whole."""
-    storage: dict[int, Tensor] = {}  # one new tensor per meta tensor, so that a tied weight stays one weight
-    made: list[tuple[str, nn.Module, Tensor]] = []  # (name in the model, its module, its new storage)
-    owners: list[tuple[str, nn.Module, Any]] = []
-    holds_meta: set[int] = set()
-    root, enclosing = _part_of(module, part)
-    for path, sub, hf_model in _modules_children_first(root, part, enclosing):
-        owned = list(_owned_meta(sub))
-        if owned or any(id(child) in holds_meta for child in sub.children()):
-            holds_meta.add(id(sub))
-            owners.append((path, sub, hf_model))
-        for name, tensor, is_parameter in owned:
-            new = storage.get(id(tensor))
-            if new is None:
-                new = _filled_with_sentinel(tensor, device)
-                if is_parameter:
-                    new = nn.Parameter(new, requires_grad=tensor.requires_grad)
-                storage[id(tensor)] = new
-                made.append((f"{path}.{name}" if path else name, sub, new))
-            setattr(sub, name, new)
-    initialized: set[int] = set()
-    base_seed = torch.initial_seed()  # the job's seed (read before the loop reseeds)
-    # the CPU generator always; CUDA's where the device is one (fork_rng restores what it forks)
-    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
-        for path, sub, hf_model in owners:
-            init = _initializer(sub, hf_model)
-            if init is not None:
-                torch.manual_seed((base_seed + zlib.crc32(path.encode())) % 2**63)
-                init()
-                initialized.add(id(sub))
-    return _uninitialized_report(root, part, made, initialized, loading_checkpoint)
+def _initializers(module: nn.Module, owns_meta: bool, hf_model: Any) -> list[Any]:
+    """What initializes ``module``: its own ``reset_parameters`` where it holds meta tensors itself, then the
+    enclosing Hugging Face model's ``_init_weights``."""
+    found = []
+    if owns_meta:
+        method = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+        if callable(method):
+            found.append(method)
+    if hf_model is not None:
+        found.append(lambda: hf_model._init_weights(module))
+    return found
 
 
 def _part_of(module: nn.Module, part: str) -> tuple[nn.Module, Any]:
@@ -130,17 +102,58 @@ def _part_of(module: nn.Module, part: str) -> tuple[nn.Module, Any]:
     return module, hf_model
 
 
-def _uninitialized_report(root: nn.Module, part: str, made: list[tuple[str, nn.Module, Tensor]],
-                          initialized: set[int], loading_checkpoint: bool) -> str | None:
-    saved = {f"{part}.{k}" if part else k for k in root.state_dict(keep_vars=True)} if loading_checkpoint else set()
-    left = [f"`{key}` ({type(sub).__name__})" for key, sub, tensor in made
-            if key not in saved and (_still_sentinel(tensor) or (tensor.dtype == torch.bool
-                                                                 and id(sub) not in initialized))]
+def materialize(module: nn.Module, device: torch.device, part: str = "") -> list[str]:
+    """Give every meta tensor of ``module`` storage on ``device`` and initialize it (see the module docstring); tied
+    weights stay tied. ``part``: only this submodule of ``module`` (a block), named and initialized as within the
+    whole. Returns the names of the tensors it made, for :func:`left_uninitialized`."""
+    storage: dict[int, Tensor] = {}  # one new tensor per meta tensor, so that a tied weight stays one weight
+    made: list[str] = []
+    to_initialize: list[tuple[str, nn.Module, list[Any]]] = []
+    holds_meta: set[int] = set()
+    root, enclosing = _part_of(module, part)
+    for path, sub, hf_model in _modules_children_first(root, part, enclosing):
+        owned = list(_owned_meta(sub))
+        if owned or any(id(child) in holds_meta for child in sub.children()):
+            holds_meta.add(id(sub))
+            to_initialize.append((path, sub, _initializers(sub, bool(owned), hf_model)))
+        for name, tensor, is_parameter in owned:
+            new = storage.get(id(tensor))
+            if new is None:
+                new = _filled_with_sentinel(tensor, device)
+                if is_parameter:
+                    new = nn.Parameter(new, requires_grad=tensor.requires_grad)
+                storage[id(tensor)] = new
+                made.append(f"{path}.{name}" if path else name)
+            setattr(sub, name, new)
+    base_seed = torch.initial_seed()  # the job's seed (read before the loop reseeds)
+    # the CPU generator always; CUDA's where the device is one (fork_rng restores what it forks)
+    with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
+        for path, _, initializers in to_initialize:
+            torch.manual_seed((base_seed + zlib.crc32(path.encode())) % 2**63)
+            for init in initializers:
+                init()
+    return made
+
+
+def left_uninitialized(module: nn.Module, made: list[str]) -> str | None:
+    """None, or which of the tensors :func:`materialize` ``made`` (by name) still hold its sentinel now, with the fix,
+    as a message. Sharded tensors are checked by this rank's shard."""
+    from torch.distributed.tensor import DTensor
+
+    state = module.state_dict(keep_vars=True)
+    named = {**dict(module.named_parameters(remove_duplicate=False)), **dict(module.named_buffers()), **state}
+    left = []
+    for key in made:
+        tensor = named.get(key)
+        if tensor is not None and _still_sentinel(tensor.to_local() if isinstance(tensor, DTensor) else tensor):
+            owner = module.get_submodule(key.rpartition(".")[0])
+            left.append(f"`{key}` ({type(owner).__name__})")
     if not left:
         return None
     shown = ", ".join(left[:8]) + (f" and {len(left) - 8} more" if len(left) > 8 else "")
     return (f"{len(left)} tensor(s) built on the meta device are left uninitialized: {shown}. Their modules define no "
             f"reset_parameters() (or it does not set every tensor the module registers). Give those modules a "
             f"reset_parameters() that sets each of their parameters and buffers, build them outside "
-            f"trainer.init_module(empty_init=True), or resume from a checkpoint with fit(ckpt_path=...) (buffers "
-            f"that are not saved, persistent=False, must still be set by reset_parameters()).")
+            f"trainer.init_module(empty_init=True), or resume from a checkpoint that holds them with "
+            f"fit(ckpt_path=...) (buffers that are not saved, persistent=False, must still be set by "
+            f"reset_parameters()).")

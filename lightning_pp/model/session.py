@@ -20,7 +20,13 @@ from lightning_pp._logs import HookLogs, LogRecorder
 from lightning_pp.actions import Schedule
 from lightning_pp.checkpoint import StageCheckpoints
 from lightning_pp.grads import add_to_grads
-from lightning_pp.model.assembly import StageAssembly, place_outside_weights, placement_of, set_aside_example_input
+from lightning_pp.model.assembly import (
+    StageAssembly,
+    check_initialized,
+    place_outside_weights,
+    placement_of,
+    set_aside_example_input,
+)
 from lightning_pp.model.eager import EagerLink
 from lightning_pp.model.results import outputs_read
 from lightning_pp.model.step import StepDriver
@@ -72,7 +78,7 @@ class StageSession:
                  new_group: Callable[[list[int]], Any], fitting: bool) -> None:
         self.module, self.assembly, self.schedules = module, assembly, schedules
         self.layout, self.rank, self.device, self.telemetry = layout, rank, device, telemetry
-        self.microbatches, self.new_group = microbatches, new_group
+        self.microbatches, self.new_group, self.object_group = microbatches, new_group, object_group
         self.stage = layout.stage_of(rank)
         partition, groups = assembly.partition, assembly.groups
         partition.view.sides.every_block = options.carry_block_outputs
@@ -112,8 +118,13 @@ class StageSession:
             placement.share_through = view.sharing_outputs
             placement.global_rank_of = lambda position: layout.rank(position, replica)
 
-    def decide_outputs(self, step_name: str, collective: Collective) -> None:
-        """Send the step's outputs from the last stage to the others only if something there reads them."""
+    def start_loop(self, step_name: str, collective: Collective) -> None:
+        """At the start of a loop (after a checkpoint was restored): refuse what a meta-device build left
+        uninitialized, and send the step's outputs from the last stage to the others only if something there reads
+        them."""
+        if self.assembly.materialized:
+            with collective("agreeing that every weight built on the meta device is initialized"):
+                check_initialized(self.assembly, self.module, self.layout, self.rank, self.object_group())
         if self.layout.num_stages == 1:
             return
         with collective(f"agreeing whether the stages read what {step_name} returns"):
@@ -160,6 +171,11 @@ class StageSession:
         self.telemetry.last_grad_sync_bytes = assembly.grads.last_bytes
         if timed:  # for PipelineMonitor
             self.telemetry.last_grad_sync_ms = sync_ms
+
+    def end_loop(self) -> None:
+        """At the end of a loop: blocks sharded over the replicas give up the weights their passes gathered."""
+        if self.assembly.sharding is not None:
+            self.assembly.sharding.reshard()
 
     def hook_logs(self, collective: Collective) -> AbstractContextManager[None]:
         """Where ``self.log`` in the hooks around the optimizer step is combined over the pipeline (see
