@@ -369,11 +369,7 @@ class PipelineParallelStrategy(ParallelStrategy):
             self._session.start_loop(step_name, self._collective)
 
     @override
-    def on_train_end(self) -> None:
-        self._end_loop()
-
-    @override
-    def on_validation_end(self) -> None:
+    def on_validation_end(self) -> None:  # (training frees them at each optimizer step)
         self._end_loop()
 
     @override
