@@ -613,6 +613,14 @@ class GradientRecorder(L.Callback):
         self.grads.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters() if p.grad is not None})
 
 
+def whole(tensor: torch.Tensor) -> torch.Tensor:
+    """A tensor sharded over replicas (``data_parallel="fsdp"``: a DTensor) gathered whole (every replica calls it in
+    the same order); any other tensor as it is."""
+    from torch.distributed.tensor import DTensor
+
+    return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
+
+
 class AppliedGradientRecorder(L.Callback):
     """Keeps, at every optimizer step, the gradients ``optimizer.step`` applied and the weights they were computed at.
 
@@ -629,10 +637,10 @@ class AppliedGradientRecorder(L.Callback):
 
     def on_train_start(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         def record_weights(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            self.weights.append({n: p.detach().clone() for n, p in pl_module.named_parameters()})
+            self.weights.append({n: whole(p).detach().clone() for n, p in pl_module.named_parameters()})
 
         def record_grads(optimizer: torch.optim.Optimizer, args: Any, kwargs: Any) -> None:
-            self.grads.append({n: p.grad.detach().clone() for n, p in pl_module.named_parameters()
+            self.grads.append({n: whole(p.grad).detach().clone() for n, p in pl_module.named_parameters()
                                if p.grad is not None})
 
         self._handles = [hook for optimizer in trainer.optimizers

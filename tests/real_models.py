@@ -18,7 +18,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint
 from lightning.pytorch.utilities import grad_norm
-from models import MODELS, AppliedGradientRecorder, RecordingLogger
+from models import MODELS, AppliedGradientRecorder, RecordingLogger, whole
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -1039,6 +1039,7 @@ SPECS: dict[str, Spec] = {
     "hf_gpt2_dropout": Spec(lambda: HFGPT2(dropout=True), max_steps=12, max_epochs=3),
     "hf_gpt2_padded": Spec(PaddedHFGPT2),
     "nanogpt": Spec(NanoGPT),
+    "hf_gpt2_sgd": Spec(lambda: with_sgd(HFGPT2)),
     "hf_gpt2_meta": Spec(lambda: with_sgd(HFGPT2), meta=True),
     "nanogpt_meta": Spec(lambda: with_sgd(NanoGPT), meta=True),
     "tuple_carry": Spec(TupleCarry),
@@ -1117,7 +1118,7 @@ def run(name: str, strategy: Any = "auto", devices: int = 1, dirpath: str | None
         )  # fmt: skip
         trainer.fit(module)
         result: dict[str, Any] = {
-            "state": {k: v.detach().clone() for k, v in module.state_dict().items()},
+            "state": {k: whole(v).detach().clone() for k, v in module.state_dict().items()},
             "history": logger.history,
             "grads": recorder.grads,
             "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},

@@ -371,6 +371,13 @@ def train_real(model: str, timeout: float = 60, dirpath: str | None = None, **st
                            dirpath=dirpath)
 
 
+def train_real_ddp(model: str) -> dict[str, Any]:
+    """A model of real_models.py under Lightning's own DDP on every process of the job: the data-parallel reference."""
+    import real_models
+
+    return real_models.run(model, "ddp", devices=WORLD_SIZE)
+
+
 def result_exchange(steps: int) -> list[dict[str, Any]]:
     """The pipeline's last stage (rank 1) sends ``models.step_outputs(step)`` for each step, and 20 logged numbers;
     every other step without outputs. Return, per step, what arrived and how many pickled broadcasts it took."""

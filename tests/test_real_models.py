@@ -20,6 +20,7 @@ from pathlib import Path
 import pytest
 import real_models
 import torch
+from _launch import launch
 from support import (
     ATOL,
     METRIC_RTOL,
@@ -394,3 +395,16 @@ def test_generate_in_predict_step_and_in_a_hook(tmp_path: Path) -> None:
     check_all(2, runs, [generated_as_on_one_device(run["kwargs"]["model"]) for run in runs], timeout=300)
     check_all(4, [job("hf_gpt2_generate", schedule="1f1b", microbatches=4, dirpath=str(tmp_path / "4"))],
               [generated_as_on_one_device("hf_gpt2_generate")], timeout=300)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(420)
+def test_gpt2_blocks_sharded_with_fsdp2_train_as_ddp() -> None:
+    """Hugging Face GPT-2 (Conv1D projections, head tied to the embedding, SGD) on 2 stages x 2 replicas with its
+    blocks sharded over the replicas (``data_parallel="fsdp"``), against Lightning's DDP on 2 processes: the same
+    losses, applied gradients (gathered whole) and weights."""
+    want = launch(2, [{"scenario": "train_real_ddp", "kwargs": {"model": "hf_gpt2_sgd"}}], timeout=150)
+    assert not want[0].errors, want[0].errors
+    check_all(4, [job("hf_gpt2_sgd", schedule="1f1b", microbatches=2, pipeline_parallel_size=2,
+                      data_parallel="fsdp")],
+              [lambda results, label: compare(results, want[0].results[0], label, True)], timeout=200)
