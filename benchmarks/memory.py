@@ -15,16 +15,12 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
-import subprocess
-import sys
-import tempfile
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+from _workers import run_workers  # beside this script
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pp import PipelineParallelStrategy
@@ -116,26 +112,8 @@ def worker(spec: dict[str, Any]) -> None:
 
 
 def run(layout: str, layers: int, width: int) -> list[dict[str, float]]:
-    processes = LAYOUTS[layout][0]
-    with tempfile.TemporaryDirectory() as tmp, socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-        out = Path(tmp) / "result.json"
-        spec = json.dumps({"layout": layout, "layers": layers, "width": width, "out": str(out)})
-        procs = []
-        for rank in range(processes):
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(processes),
-                       RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", OMP_NUM_THREADS="1")
-            procs.append(subprocess.Popen([sys.executable, __file__, "--worker", spec], env=env))
-        sock.close()
-        try:
-            codes = [proc.wait(timeout=3600) for proc in procs]
-        finally:
-            for proc in procs:
-                proc.kill()
-        if any(codes):
-            raise SystemExit(f"{layout} failed: exit codes {codes}")
-        return json.loads(out.read_text())  # type: ignore[no-any-return]
+    spec = {"layout": layout, "layers": layers, "width": width}
+    return run_workers(__file__, LAYOUTS[layout][0], spec)  # type: ignore[no-any-return]
 
 
 def main() -> None:

@@ -19,18 +19,14 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import socket
 import statistics
-import subprocess
-import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
+from _workers import run_workers  # beside this script
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -133,25 +129,8 @@ def worker(spec: dict[str, Any]) -> None:
 
 
 def run(model: str, stages: int, mode: str, steps: int) -> list[dict[str, float]]:
-    with tempfile.TemporaryDirectory() as tmp, socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-        out = Path(tmp) / "result.json"
-        spec = json.dumps({"model": model, "stages": stages, "mode": mode, "steps": steps, "out": str(out)})
-        procs = []
-        for rank in range(stages):
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(stages),
-                       RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", OMP_NUM_THREADS="1")
-            procs.append(subprocess.Popen([sys.executable, __file__, "--worker", spec], env=env))
-        sock.close()
-        try:
-            codes = [proc.wait(timeout=1800) for proc in procs]
-        finally:
-            for proc in procs:
-                proc.kill()
-        if any(codes):
-            raise SystemExit(f"{model} on {stages} stages ({mode}) failed: exit codes {codes}")
-        return json.loads(out.read_text())  # type: ignore[no-any-return]
+    spec = {"model": model, "stages": stages, "mode": mode, "steps": steps}
+    return run_workers(__file__, stages, spec, timeout=1800)  # type: ignore[no-any-return]
 
 
 def main() -> None:

@@ -1,0 +1,43 @@
+"""Run a benchmark's worker in several fresh processes on this machine, one CPU thread each, as torchrun would: the
+environment Lightning's cluster detection reads, a free port, every process killed on the way out."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+from typing import Any
+
+__all__ = ["run_workers"]
+
+
+def run_workers(script: str, processes: int, spec: dict[str, Any], timeout: float = 3600) -> Any:
+    """Start ``python script --worker <json spec>`` in ``processes`` processes; ``spec["out"]`` names the file rank 0
+    writes its JSON result to. Returns that result.
+
+    Raises:
+        SystemExit: a process failed (its exit codes in the message).
+    """
+    with tempfile.TemporaryDirectory() as tmp, socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+        out = Path(tmp) / "result.json"
+        arguments = json.dumps({**spec, "out": str(out)})
+        procs = []
+        for rank in range(processes):
+            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(processes),
+                       RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", OMP_NUM_THREADS="1")
+            procs.append(subprocess.Popen([sys.executable, script, "--worker", arguments], env=env))
+        sock.close()
+        try:
+            codes = [proc.wait(timeout=timeout) for proc in procs]
+        finally:
+            for proc in procs:
+                proc.kill()
+        if any(codes):
+            raise SystemExit(f"{Path(script).name} {spec} failed: exit codes {codes}")
+        return json.loads(out.read_text())
