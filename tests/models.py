@@ -379,6 +379,17 @@ class Wide(MLPClassifier):
         self.head = nn.Linear(width, 5)
 
 
+class KeepsItsParameterList(MLPClassifier):
+    """Builds its optimizer from a parameter list made in ``__init__``: with a meta build, the meta tensors."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.trainable = [p for p in self.parameters() if p.requires_grad]
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.trainable, lr=0.1)
+
+
 class ShardsItsOwnBlocks(MLPClassifier):
     """Applies FSDP2 to its blocks in ``configure_model`` as one would for Lightning's ``ModelParallelStrategy``."""
 
@@ -425,6 +436,7 @@ MODELS: dict[str, Callable[[], L.LightningModule]] = {
     "gain_on_last_stage": GainOnLastStage,
     "wide": Wide,
     "shards_its_own_blocks": ShardsItsOwnBlocks,
+    "keeps_its_parameter_list": KeepsItsParameterList,
     "frozen_front": FrozenFront,
     "unfreezes_front": UnfreezesFront,
     "gpt": lambda: _example_gpt().GPT(vocab_size=len(set(_example_gpt().make_corpus(4000)))),

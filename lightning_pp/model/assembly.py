@@ -191,8 +191,9 @@ def _shard_blocks(module: nn.Module, partition: Partition, sharding: BlockShardi
         if has_meta_tensors(block):
             made += materialize(module, device, part=name)
         block.to(device)
-        broadcast_tensors([*block.parameters(), *block.buffers()], layout.rank(groups.stage, 0), groups.replicas,
-                          device)
+        with torch.no_grad():  # in place, tensor by tensor: no flat copy of the block beside it
+            for tensor in (*block.parameters(), *block.buffers()):
+                dist.broadcast(tensor, layout.rank(groups.stage, 0), group=groups.replicas)
         sharding.shard(block, last=lambda hook: not not_ours(hook))
     return made
 
@@ -241,6 +242,19 @@ def place_outside_weights(assembly: StageAssembly, optimizers: Sequence[Any], de
     return placement.held()
 
 
+def _refuse_meta_parameters(module: Any) -> None:
+    """An optimizer given parameters still on the meta device (a list kept aside in ``__init__`` of a module built
+    under ``init_module(empty_init=True)``; setup materialized new ones) would silently update nothing."""
+    stale = [p for optimizer in module.trainer.optimizers for group in optimizer.param_groups for p in group["params"]
+             if p.is_meta]
+    if stale:
+        raise PipelineConfigError(
+            f"configure_optimizers gave the optimizer {len(stale)} parameter(s) still on the meta device: the module "
+            f"was built under trainer.init_module(empty_init=True) and setup replaced its parameters with materialized "
+            f"ones. Build the optimizer from self.parameters() (or self.named_parameters()) in configure_optimizers, "
+            f"not from a list kept in __init__.")
+
+
 def setup_optimizers_everywhere(setup: Callable[[], None], module: nn.Module, partition: Partition, stage: int,
                                 world_size: int, object_group: Any) -> None:
     """Run ``setup`` (Lightning's ``configure_optimizers`` on this stage's parameters) on every rank. It may fail on
@@ -249,6 +263,7 @@ def setup_optimizers_everywhere(setup: Callable[[], None], module: nn.Module, pa
     error: Exception | None = None
     try:
         setup()
+        _refuse_meta_parameters(module)
     except Exception as caught:
         if world_size == 1:
             raise
