@@ -15,8 +15,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from lightning_pp import _compat
 from lightning_pp.errors import PipelineConfigError
 
-__all__ = ["BlockSharding", "full_tensors", "is_sharded", "is_sharded_module", "refuse_shared_block_weights",
-           "refuse_user_sharding", "shard_like"]
+__all__ = ["BlockSharding", "full_tensors", "is_sharded", "is_sharded_module", "refuse_user_sharding", "shard_like",
+           "shared_block_weights"]
 
 
 def is_sharded(tensor: Any) -> bool:
@@ -116,17 +116,17 @@ def refuse_user_sharding(module: nn.Module) -> None:
             f"data_parallel='fsdp' shards each stage's blocks over the replicas.")
 
 
-def refuse_shared_block_weights(blocks: list[tuple[str, nn.Module]], outside: list[nn.Parameter]) -> None:
+def shared_block_weights(blocks: list[tuple[str, nn.Module]], outside: list[nn.Parameter]) -> str | None:
     """Each block is its own FSDP2 unit, so a weight two of a stage's blocks share (or a block listed twice) would be
-    sharded twice and trained as two weights: our error instead (the split already refuses sharing across stages and
-    with the weights outside the blocks)."""
+    sharded twice and trained as two weights: what says so (None: no such weight). The split already refuses sharing
+    across stages and with the weights outside the blocks."""
     owner: dict[int, str] = {}
     outside_ids = {id(p) for p in outside}
     for name, block in blocks:
         for p in block.parameters():
             first = owner.setdefault(id(p), name)
             if first != name or id(p) in outside_ids:
-                raise PipelineConfigError(
-                    f"`{name}` shares a weight with `{first}`; with data_parallel='fsdp' each block is sharded on "
-                    f"its own, so blocks cannot share weights. Use data_parallel='ddp', or tie the weight outside "
-                    f"the blocks.")
+                return (f"`{name}` shares a weight with `{first}`; with data_parallel='fsdp' each block is sharded on "
+                        f"its own, so blocks cannot share weights. Use data_parallel='ddp', or tie the weight outside "
+                        f"the blocks.")
+    return None

@@ -390,6 +390,15 @@ class KeepsItsParameterList(MLPClassifier):
         return torch.optim.SGD(self.trainable, lr=0.1)
 
 
+class BlocksShareAWeight(MLPClassifier):
+    """Two blocks of the container use one weight (``layers.2`` reuses ``layers.0``'s)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh())
+        self.layers[2].weight = self.layers[0].weight
+
+
 class ShardsItsOwnBlocks(MLPClassifier):
     """Applies FSDP2 to its blocks in ``configure_model`` as one would for Lightning's ``ModelParallelStrategy``."""
 
@@ -437,6 +446,7 @@ MODELS: dict[str, Callable[[], L.LightningModule]] = {
     "wide": Wide,
     "shards_its_own_blocks": ShardsItsOwnBlocks,
     "keeps_its_parameter_list": KeepsItsParameterList,
+    "blocks_share_a_weight": BlocksShareAWeight,
     "frozen_front": FrozenFront,
     "unfreezes_front": UnfreezesFront,
     "gpt": lambda: _example_gpt().GPT(vocab_size=len(set(_example_gpt().make_corpus(4000)))),

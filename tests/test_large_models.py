@@ -136,9 +136,9 @@ def test_each_rank_takes_memory_for_its_part_only_and_failures_reach_every_rank(
     """`models.Wide` (64 MiB of blocks) built on the meta device, on 2 stages, then on 1 stage with its blocks sharded
     over 2 replicas (``data_parallel="fsdp"``, materialized block by block): each rank's peak memory grows by about
     its half before training (the whole model before this issue), and it holds half the blocks. A weight nothing
-    initializes on the second stage only, FSDP applied by the module itself, and an optimizer built from a parameter
-    list kept in ``__init__`` (meta tensors after a meta build) fail every rank with our error, before any rank waits
-    on a collective."""
+    initializes on the second stage only, FSDP applied by the module itself, an optimizer built from a parameter list
+    kept in ``__init__`` (meta tensors after a meta build), and two blocks sharing a weight under FSDP2 fail every rank
+    with our error, before any rank waits on a collective."""
     ranks = launch(2, [{"scenario": "meta_memory", "kwargs": {}},
                        {"scenario": "meta_memory", "kwargs": {"pipeline_parallel_size": 1, "data_parallel": "fsdp"}},
                        {"scenario": "expect_error", "kwargs": {"model": "gain_on_last_stage",
@@ -146,10 +146,13 @@ def test_each_rank_takes_memory_for_its_part_only_and_failures_reach_every_rank(
                        {"scenario": "expect_error", "kwargs": {"model": "shards_its_own_blocks",
                                                                "pipeline_parallel_size": 1}},
                        {"scenario": "expect_error", "kwargs": {"model": "keeps_its_parameter_list",
-                                                               "trainer": {"meta": True}}}], timeout=240)
+                                                               "trainer": {"meta": True}}},
+                       {"scenario": "expect_error", "kwargs": {"model": "blocks_share_a_weight",
+                                                               "pipeline_parallel_size": 1,
+                                                               "data_parallel": "fsdp"}}], timeout=240)
     for rank, result in enumerate(ranks):
         assert not result.errors, result.errors
-        *memory, uninitialized, own_sharding, stale_list = result.results
+        *memory, uninitialized, own_sharding, stale_list, shared = result.results
         for label, seen in zip(("2 stages", "1 stage, blocks sharded over 2 replicas"), memory, strict=True):
             whole, held, growth = seen["whole"], seen["held"], seen["growth"]
             print(f"{label}, rank {rank}: the model {whole / 2**20:.1f} MiB, held {held / 2**20:.1f} MiB, peak "
@@ -165,6 +168,8 @@ def test_each_rank_takes_memory_for_its_part_only_and_failures_reach_every_rank(
         assert "data_parallel='fsdp'" in own_sharding["message"], own_sharding
         assert stale_list["type"] == "PipelineConfigError", stale_list
         assert "still on the meta device" in stale_list["message"], stale_list
+        assert shared["type"] == "PipelineConfigError", shared
+        assert "`layers.2` shares a weight with `layers.0`" in shared["message"], shared
 
 
 def test_the_calculator_prints_its_table() -> None:

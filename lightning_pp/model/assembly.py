@@ -25,7 +25,7 @@ from lightning_pp.model.placement import WeightPlacement
 from lightning_pp.model.sides import not_ours
 from lightning_pp.model.split import Partition, split_module
 from lightning_pp.options import PipelineOptions
-from lightning_pp.sharding import BlockSharding, is_sharded, refuse_shared_block_weights, refuse_user_sharding
+from lightning_pp.sharding import BlockSharding, is_sharded, refuse_user_sharding, shared_block_weights
 from lightning_pp.topology import PipelineLayout, StageGroups, create_groups, create_sharing_groups, gather_reports
 
 __all__ = ["StageAssembly", "assemble_stage", "balance_for", "check_initialized", "is_assembled",
@@ -128,13 +128,14 @@ def balance_for(options: PipelineOptions, module: Any, trainer: Any, num_ranks: 
 def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout, rank: int, *, blocks: str | None,
                    balance: Sequence[int] | None, recompute_every: int, device: torch.device,
                    new_group: Callable[[list[int]], Any], to_device: Callable[[], None],
-                   place_where_used: bool, sharding: BlockSharding | None = None) -> StageAssembly:
+                   place_where_used: bool, sharding: BlockSharding | None = None,
+                   object_group: Any = None) -> StageAssembly:
     """Split ``module`` into this rank's stages of ``schedule`` (a later run on the same module keeps what the earlier
     one trained), create the groups, give what this rank holds of a meta-device build its storage, move it with
     ``to_device``, and start every rank from the same weights: rank 0's outside the blocks and replica 0's blocks, as
     DDP starts. ``place_where_used``: a training run that places the weights outside the blocks where they are used
     (``outside_weights="where_used"``); ``sharding``: shard this rank's blocks over the stage's replicas (block by
-    block, so that no rank holds its stage whole at setup)."""
+    block, so that no rank holds its stage whole at setup); ``object_group``: where refusals are agreed on."""
     stage = layout.stage_of(rank)
     earlier = _EARLIER_RUNS.get(module)
     fresh = earlier is None
@@ -148,12 +149,19 @@ def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout
                   f"{view.num_stages} stages of {[len(r) for r in view.ranges]} blocks")
     if recompute_every:
         partition.view.checkpoint_blocks(recompute_every)
+    sharding = sharding if earlier.sharding is None else None  # a later run keeps the earlier run's shards
+    if sharding is not None:  # before any collective: a stage that cannot be sharded fails every rank
+        report = shared_block_weights(partition.view.named_local_blocks(), partition.shared_tensors(module)[0])
+        failed = gather_reports(f"stage {stage} (rank {rank}): {report}" if report else None, layout.world_size,
+                                object_group)
+        if failed:
+            raise PipelineConfigError("; ".join(failed))
     groups = create_groups(layout, rank, new_group, p2p_groups=2 if schedule.stages_per_rank == 1 else 4,
                            last_position=schedule.stage_to_rank[-1])
     if rank == 0 and layout.num_replicas > 1:
         print(f"lightning_pp: {layout}")
     made: list[str] = []
-    if sharding is not None and earlier.sharding is None:  # a later run keeps the earlier run's shards
+    if sharding is not None:
         made += _shard_blocks(module, partition, sharding, groups, device)
         earlier.sharding = sharding
     if has_meta_tensors(module):  # alike on every rank: the module was built alike
@@ -185,9 +193,7 @@ def _shard_blocks(module: nn.Module, partition: Partition, sharding: BlockShardi
     0's values (as DDP starts), shard it. Returns the names of the tensors materialized."""
     layout = groups.layout
     made: list[str] = []
-    local = partition.view.named_local_blocks()
-    refuse_shared_block_weights(local, partition.shared_tensors(module)[0])
-    for name, block in local:
+    for name, block in partition.view.named_local_blocks():
         if has_meta_tensors(block):
             made += materialize(module, device, part=name)
         block.to(device)
