@@ -21,6 +21,7 @@ from typing import Any
 import lightning as L
 import torch
 from _workers import run_workers  # beside this script
+from placement import GPT2
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pp import PipelineParallelStrategy
@@ -52,22 +53,6 @@ def _local_bytes(tensors: Any) -> int:
         local = t.to_local() if isinstance(t, DTensor) else t
         seen[(local.data_ptr(), local.numel())] = local
     return sum(t.numel() * t.element_size() for t in seen.values())
-
-
-class GPT2(L.LightningModule):
-    def __init__(self, layers: int, width: int) -> None:
-        super().__init__()
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        self.model = GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=width, n_head=width // 64))
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        loss = self.model(input_ids=batch[0], labels=batch[0]).loss
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
 
 class Meter(L.Callback):

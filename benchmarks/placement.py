@@ -66,11 +66,13 @@ class VGG11(L.LightningModule):
 
 
 class GPT2(L.LightningModule):
-    def __init__(self) -> None:
+    """Hugging Face GPT-2 (vocabulary 50257, head tied to the embedding), random init, AdamW."""
+
+    def __init__(self, layers: int = 12, width: int = 768) -> None:  # GPT-2 small by default
         super().__init__()
         from transformers import GPT2Config, GPT2LMHeadModel
 
-        self.model = GPT2LMHeadModel(GPT2Config())  # GPT-2 small
+        self.model = GPT2LMHeadModel(GPT2Config(n_layer=layers, n_embd=width, n_head=width // 64))
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         loss = self.model(input_ids=batch[0], labels=batch[0]).loss
