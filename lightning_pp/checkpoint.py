@@ -121,23 +121,24 @@ class StageCheckpoints:
     """Saving and loading one rank's part of a pipelined module, in either format.
 
     ``"full"``: the stages' state is gathered on global rank 0 (over ``object_group``) into the single-device layout,
-    so plain Lightning loads the file. ``"sharded"``: a folder with one file per stage (from replica 0) and the rest of
+    so plain Lightning loads the file. ``"sharded"``: a folder with one file per stage (from lane 0) and the rest of
     the checkpoint in ``checkpoint.pt``. Both load on any number of stages, as do single-device checkpoints, because
     everything is matched by name.
 
     ``not_on_last()`` names the state entries the last stage does not hold (weights used before the blocks only, see
     ``outside_weights``); ``object_group()`` is the group for object collectives now (None: the default group; after
     ``fit`` ends, a checkpoint saved by hand gathers over the default group); ``world``, ``rank``, ``stage``,
-    ``replica``, ``num_stages`` and ``rank_of(stage, replica)`` describe this rank's place.
+    ``lane``, ``num_stages`` and ``rank_of(stage, lane)`` describe this rank's place (see
+    :class:`~lightning_pp.topology.PipelineLayout`).
     """
 
     def __init__(self, module: torch.nn.Module, partition: Any, not_on_last: Callable[[], set[str]], *, world: int,
-                 rank: int, stage: int, replica: int, num_stages: int, rank_of: Callable[[int, int], int],
+                 rank: int, stage: int, lane: int, num_stages: int, rank_of: Callable[[int, int], int],
                  object_group: Callable[[], Any], device: torch.device) -> None:
         self.module = module
         self.partition = partition
         self.not_on_last = not_on_last
-        self.world, self.rank, self.stage, self.replica, self.num_stages = world, rank, stage, replica, num_stages
+        self.world, self.rank, self.stage, self.lane, self.num_stages = world, rank, stage, lane, num_stages
         self.rank_of = rank_of
         self.object_group = object_group
         self.device = device
@@ -146,11 +147,12 @@ class StageCheckpoints:
         return {id(p): n for n, p in self.module.named_parameters()}
 
     def _gather_on_zero(self, obj: Any) -> list[Any]:
-        """Every stage's ``obj`` of replica 0, in stage order, on global rank 0 (replicas hold the same state)."""
+        """Every stage's ``obj`` of lane 0, in stage order, on global rank 0 (the lanes hold the same state, sharded
+        tensors gathered whole)."""
         if self.world == 1:
             return [obj]
         gathered: list[Any] | None = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(obj if self.replica == 0 else None, gathered, dst=0, group=self.object_group())
+        dist.gather_object(obj if self.lane == 0 else None, gathered, dst=0, group=self.object_group())
         return [gathered[self.rank_of(stage, 0)] for stage in range(self.num_stages)] if gathered else []
 
     def own_state(self) -> dict[str, torch.Tensor]:
@@ -159,7 +161,7 @@ class StageCheckpoints:
 
         Replicated parameters are equal on every stage, but buffers are not: modules after the blocks (a BatchNorm
         head, say) run only on the last stage, which also runs those before it, so its copies are current. Blocks
-        sharded over the replicas are gathered whole (every replica of the stage calls this).
+        sharded over the replicas or tensor-parallel ranks are gathered whole (every lane of the stage calls this).
         """
         view = self.partition.view
         prefix = view.container_name + "."
@@ -198,8 +200,8 @@ class StageCheckpoints:
 
     def save_sharded(self, checkpoint: dict[str, Any], folder: str) -> None:
         os.makedirs(folder, exist_ok=True)
-        state = self.own_state()  # on every replica: blocks sharded over them are gathered
-        if self.replica == 0:  # one copy per stage
+        state = self.own_state()  # on every lane: sharded tensors are gathered
+        if self.lane == 0:  # one copy per stage
             shard = {"state_dict": state, "optimizer_states": checkpoint.get("optimizer_states", [])}
             torch.save(shard, os.path.join(folder, f"stage{self.stage}.pt"))
         if self.rank == 0:

@@ -4,6 +4,7 @@ replace Lightning's per-stage ones from setup to teardown (:meth:`PipelineGradie
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Callable, Iterable, Iterator
 from typing import Any
@@ -16,6 +17,7 @@ from torch.optim import Optimizer
 
 from lightning_pp import _compat
 from lightning_pp._device import synchronize_device
+from lightning_pp.sharding import local
 from lightning_pp.topology import StageGroups
 
 __all__ = ["PipelineGradients", "add_to_grads", "broadcast_tensors"]
@@ -44,7 +46,7 @@ def broadcast_tensors(tensors: Iterable[Tensor], src: int, group: Any, device: t
     """Give every rank of ``group`` rank ``src``'s values of ``tensors``, as DDP does at start: ranks seeded
     differently would otherwise each train their own copy. One broadcast per dtype."""
     with torch.no_grad():
-        for same_dtype in _coalesced(t for t in tensors if t.numel() > 0).values():
+        for same_dtype in _coalesced(local(t) for t in tensors if t.numel() > 0).values():
             values = _through_one_collective(same_dtype, lambda flat: dist.broadcast(flat, src=src, group=group),
                                              device)
             for t, value in zip(same_dtype, values, strict=True):
@@ -136,7 +138,7 @@ class PipelineGradients:
                     group = self.groups.replicas
                     self._all_reduce(self._used(by_positions[positions], group), group, replicas)
                 continue
-            group = None if positions == self.every_position else self.sharing_groups[positions]
+            group = self.groups.shard_peers if positions == self.every_position else self.sharing_groups[positions]
             self._all_reduce(self._used(by_positions[positions], group), group, replicas)
 
     def _used(self, params: list[nn.Parameter], group: Any) -> list[nn.Parameter]:
@@ -146,10 +148,11 @@ class PipelineGradients:
         return [p for p, n in zip(params, has_grad.tolist(), strict=True) if n > 0]
 
     def _all_reduce(self, params: list[nn.Parameter], group: Any, replicas: int) -> None:
-        """Sum ``params``' gradients over ``group``, each divided by ``replicas`` first (as DDP does)."""
+        """Sum ``params``' gradients over ``group``, each divided by ``replicas`` first (as DDP does); a tensor-parallel
+        gradient by its local shard."""
         pending = []
         for bucket in self._buckets(params):
-            grads = [p.grad if p.grad is not None else torch.zeros_like(p) for p in bucket]
+            grads = [local(p.grad) if p.grad is not None else torch.zeros_like(local(p)) for p in bucket]
             flat = torch.cat([g.detach().reshape(-1) for g in grads])
             if replicas > 1:
                 flat.div_(replicas)
@@ -159,41 +162,49 @@ class PipelineGradients:
             work.wait()
             offset = 0
             for p in bucket:
-                p.grad = flat[offset : offset + p.numel()].view_as(p).clone()
-                offset += p.numel()
+                shard = local(p)
+                value = flat[offset : offset + shard.numel()].view_as(shard).clone()
+                p.grad = _like(p, value)
+                offset += shard.numel()
 
     def _buckets(self, params: list[nn.Parameter]) -> Iterator[list[Tensor]]:
         for same_dtype in _coalesced(params).values():
             bucket: list[Tensor] = []
             size = 0
             for p in same_dtype:
-                if bucket and size + p.numel() * p.element_size() > self.bucket_bytes:
+                if bucket and size + local(p).numel() * p.element_size() > self.bucket_bytes:
                     yield bucket
                     bucket, size = [], 0
                 bucket.append(p)
-                size += p.numel() * p.element_size()
+                size += local(p).numel() * p.element_size()
             if bucket:
                 yield bucket
 
     def clip_by_global_norm(self, params: Iterable[nn.Parameter], clip_val: float) -> None:
         """``clip_grad_norm_`` over the whole pipeline: squared norms summed over stages, each weight counted once (by
-        the first position holding it; after :meth:`synchronize`, so its holders and replicas agree)."""
+        the first position holding it; after :meth:`synchronize`, so its holders and replicas agree). A sharded
+        gradient (FSDP2, tensor parallelism) counts by its shards, summed over its mesh, each shard once."""
         grads = [(p, p.grad) for p in params if p.grad is not None]
         squared = torch.zeros((), dtype=torch.float64, device=self.device)
-        sharded = torch.zeros((), dtype=torch.float64, device=self.device)  # blocks' shards over the replicas
+        by_mesh: dict[Any, Tensor] = {}  # the squared norms of sharded gradients, per mesh, to be summed over it
         for p, grad in grads:
             if isinstance(grad, DTensor):
-                sharded += torch.linalg.vector_norm(grad.to_local().detach(), dtype=torch.float64) ** 2
+                copies = math.prod(grad.device_mesh.size(dim) for dim, placement in enumerate(grad.placements)
+                                   if placement.is_replicate())
+                share = torch.linalg.vector_norm(grad.to_local().detach(), dtype=torch.float64) ** 2 / copies
+                mesh = grad.device_mesh
+                by_mesh[mesh] = by_mesh.get(mesh, torch.zeros_like(squared)) + share
             elif min(self.positions_of(p)) == self.groups.stage:
                 squared += torch.linalg.vector_norm(grad.detach(), dtype=torch.float64) ** 2
-        if any(isinstance(grad, DTensor) for _, grad in grads) and self.groups.layout.num_replicas > 1:
-            dist.all_reduce(sharded, group=self.groups.replicas)  # each replica holds a shard
-        squared += sharded
-        if self.groups.layout.num_stages > 1:  # replicas hold the same gradients: the norm of one pipeline
+        for mesh, share in sorted(by_mesh.items(), key=lambda item: item[0].mesh_dim_names or ()):
+            for dim in range(mesh.ndim):  # summed over every dimension: over the whole mesh
+                dist.all_reduce(share, group=mesh.get_group(dim))
+            squared += share
+        if self.groups.layout.num_stages > 1:  # the lanes hold the same norm: the norm of one pipeline
             dist.all_reduce(squared, group=self.groups.pipeline)
         scale = torch.clamp(clip_val / (squared.sqrt() + 1e-6), max=1.0)
         for _, grad in grads:
-            (grad.to_local() if isinstance(grad, DTensor) else grad).mul_(scale.to(grad.dtype))
+            local(grad).mul_(scale.to(grad.dtype))
 
     def unscale_agreeing(self, scaler: torch.amp.GradScaler, unscale: Callable[[Optimizer], None],
                          optimizer: Optimizer) -> None:
@@ -221,6 +232,14 @@ class PipelineGradients:
             found[self.device] = verdict
         for value in found.values():
             value.copy_(verdict.to(value.device))
+
+
+def _like(p: Tensor, value: Tensor) -> Tensor:
+    """``value`` (this rank's part of ``p``'s gradient) as ``p``'s gradient: a DTensor laid out as ``p`` for a
+    DTensor ``p``."""
+    if not isinstance(p, DTensor):
+        return value
+    return DTensor.from_local(value, p.device_mesh, p.placements, shape=p.shape, stride=p.stride(), run_check=False)
 
 
 def _replace(obj: Any, name: str, replacement: Callable[..., Any]) -> Callable[[], None]:

@@ -230,8 +230,8 @@ class PipelineMonitor(pl.Callback):
         step = trainer.global_step - 1  # the step that was just taken
         # the pipeline of replica 0 (the others run the same schedule on other samples)
         rows = ([(e.stage, e.rank, str(e.action), e.category, e.start, e.end) for e in events]
-                if telemetry.replica == 0 else [])
-        own_memory = self._stage_memory(telemetry, pl_module, meter) if telemetry.replica == 0 else {}
+                if telemetry.lane == 0 else [])
+        own_memory = self._stage_memory(telemetry, pl_module, meter) if telemetry.lane == 0 else {}
         mine = (telemetry.stage, rows, grad_sync_ms, own_memory)  # telemetry.stage: this rank's place in its pipeline
         gathered: list[Any] = [mine]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:

@@ -130,6 +130,11 @@ class PipelineOptions:
     the blocks' weights, gradients and optimizer state, gathers a block's weights for its passes, and the gradients are
     reduce-scattered once per optimizer step (after the last micro-batch, honouring ``accumulate_grad_batches``). The
     weights outside the blocks stay whole on the ranks that use them (``outside_weights``)."""
+    tensor_parallel_size: int = 1
+    """Ranks each stage is split over by tensor parallelism (the world is pipeline x data-parallel x tensor-parallel;
+    tensor-parallel ranks are neighbours). The module applies its own plan in ``configure_model``, as for Lightning's
+    ``ModelParallelStrategy``: ``parallelize_module(block, self.device_mesh["tensor_parallel"], plan)`` for each
+    block; activations travel between the matching tensor-parallel ranks of neighbouring stages."""
 
     schedule_file: Schedule | None = field(init=False, default=None)
     """The schedule read from ``schedule`` when it names a ``.csv`` file (read on construction: a missing or broken
@@ -222,6 +227,13 @@ class PipelineOptions:
         check(self.data_parallel in ("ddp", "fsdp"),
                f"data_parallel={self.data_parallel!r}; use 'ddp' (each replica holds its stage's blocks whole) or "
                f"'fsdp' (the blocks sharded over the replicas with FSDP2).")
+        check(_is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
+               f"tensor_parallel_size={self.tensor_parallel_size!r} ({type(self.tensor_parallel_size).__name__}): "
+               f"pass the number of ranks each stage is split over as a positive integer (1: no tensor parallelism).")
+        check(self.tensor_parallel_size == 1 or self.balance_by != "time",
+               f"balance='time' measures the blocks on global rank 0 alone, but with tensor_parallel_size="
+               f"{self.tensor_parallel_size} a block's passes need every tensor-parallel rank. Use balance='params' or "
+               f"a list of blocks per stage.")
         check(isinstance(self.reuse_cpu_memory, bool),
                f"reuse_cpu_memory={self.reuse_cpu_memory!r} ({type(self.reuse_cpu_memory).__name__}) must be True "
                f"or False.")
@@ -263,13 +275,22 @@ class PipelineOptions:
 
     def check_world(self, num_stages: int, num_processes: int, num_nodes: int) -> None:
         """What every rank checks alike before any collective, once the world size is known: ``num_stages`` ranks per
-        pipeline must divide the world, and a schedule file and a balance list must fit the pipeline."""
+        pipeline times ``tensor_parallel_size`` must divide the world, and a schedule file and a balance list must fit
+        the pipeline."""
         world = num_processes * num_nodes
-        divisor = max(d for d in range(1, num_stages + 1) if world % d == 0)
-        check(world % num_stages == 0,
-               f"pipeline_parallel_size={num_stages} does not divide the world of {world} processes (devices x "
-               f"num_nodes = {num_processes} x {num_nodes}): each data-parallel replica needs a whole pipeline. Use "
-               f"a divisor of {world}, e.g. pipeline_parallel_size={divisor}, or change devices/num_nodes.")
+        tp = self.tensor_parallel_size
+        if tp == 1:
+            divisor = max(d for d in range(1, num_stages + 1) if world % d == 0)
+            check(world % num_stages == 0,
+                   f"pipeline_parallel_size={num_stages} does not divide the world of {world} processes (devices x "
+                   f"num_nodes = {num_processes} x {num_nodes}): each data-parallel replica needs a whole pipeline. "
+                   f"Use a divisor of {world}, e.g. pipeline_parallel_size={divisor}, or change devices/num_nodes.")
+        else:
+            check(world % (num_stages * tp) == 0,
+                   f"pipeline_parallel_size x tensor_parallel_size = {num_stages} x {tp} = {num_stages * tp} does not "
+                   f"divide the world of {world} processes (devices x num_nodes = {num_processes} x {num_nodes}): the "
+                   f"world is pipeline x data-parallel x tensor-parallel ranks. Choose sizes whose product divides "
+                   f"{world} (set pipeline_parallel_size when tensor_parallel_size > 1), or change devices/num_nodes.")
         where = ("pipeline_parallel_size" if self.pipeline_parallel_size is not None
                  else "one per process: Trainer(devices=..., num_nodes=...)")
         if self.schedule_file is not None:

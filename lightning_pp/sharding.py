@@ -15,12 +15,20 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from lightning_pp import _compat
 from lightning_pp.errors import PipelineConfigError
 
-__all__ = ["BlockSharding", "full_tensors", "is_sharded", "is_sharded_module", "refuse_user_sharding", "shard_like",
-           "shared_block_weights"]
+__all__ = ["BlockSharding", "full_tensors", "is_sharded_module", "local", "refuse_user_sharding", "shard_like",
+           "sharded_over_replicas", "shared_block_weights"]
 
 
-def is_sharded(tensor: Any) -> bool:
-    return isinstance(tensor, DTensor)
+def sharded_over_replicas(tensor: Any) -> bool:
+    """Whether ``tensor`` is sharded over the data-parallel replicas (by FSDP2; its mesh may also be
+    tensor-parallel): its gradient is reduce-scattered, not all-reduced."""
+    return isinstance(tensor, DTensor) and "data_parallel" in (tensor.device_mesh.mesh_dim_names or ())
+
+
+def local(tensor: Tensor) -> Tensor:
+    """This rank's part of ``tensor`` (a DTensor's local shard, a view: writing to it writes to the DTensor), or
+    ``tensor`` itself."""
+    return tensor.to_local() if isinstance(tensor, DTensor) else tensor
 
 
 def is_sharded_module(module: nn.Module | None) -> bool:
@@ -96,9 +104,10 @@ def shard_like(value: Tensor, like: Any) -> Tensor:
     return distribute_tensor(value.to(like.device, like.dtype), like.device_mesh, like.placements, src_data_rank=None)
 
 
-def refuse_user_sharding(module: nn.Module) -> None:
-    """Sharding applied to the module before setup (FSDP1 wrappers, FSDP2 units, tensor-parallel plans) is not
-    combined with the pipeline's split yet: our error, before any collective."""
+def refuse_user_sharding(module: nn.Module, tensor_parallel_size: int) -> None:
+    """Before any collective (every rank ran the same ``configure_model``): FSDP applied by the module itself, DTensor
+    parameters on any mesh but the job's ``"tensor_parallel"`` dimension, and ``tensor_parallel_size > 1`` with no
+    tensor-parallel plan applied are our error."""
     from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
 
     for name, sub in module.named_modules():
@@ -108,12 +117,21 @@ def refuse_user_sharding(module: nn.Module) -> None:
                 f"`{name or type(module).__name__}` is already sharded with {kind} (in configure_model or before "
                 f"fit). PipelineParallelStrategy shards each stage's blocks itself: remove the fully_shard/FSDP call "
                 f"and pass PipelineParallelStrategy(data_parallel='fsdp', pipeline_parallel_size=...).")
-    sharded = [name for name, p in module.named_parameters() if isinstance(p, DTensor)]
-    if sharded:
+    distributed = [(name, p) for name, p in module.named_parameters() if isinstance(p, DTensor)]
+    other = [f"{name} (mesh {p.device_mesh.mesh_dim_names})" for name, p in distributed
+             if p.device_mesh.mesh_dim_names != ("tensor_parallel",)]
+    if other:
         raise PipelineConfigError(
-            f"Parameters {sharded[:3]} are DTensors (tensor parallelism or sharding applied before setup), which "
-            f"PipelineParallelStrategy does not combine with its split yet. Build the module with plain tensors; "
-            f"data_parallel='fsdp' shards each stage's blocks over the replicas.")
+            f"Parameters {other[:3]} are DTensors on a mesh other than the strategy's tensor-parallel one. Apply "
+            f"tensor parallelism in configure_model with parallelize_module(block, self.device_mesh["
+            f"'tensor_parallel'], plan), and leave sharding over the replicas to "
+            f"PipelineParallelStrategy(data_parallel='fsdp').")
+    if tensor_parallel_size > 1 and not distributed:
+        raise PipelineConfigError(
+            f"tensor_parallel_size={tensor_parallel_size}, but the module applies no tensor-parallel plan: every "
+            f"parameter is a plain tensor, so each of the {tensor_parallel_size} tensor-parallel ranks would compute "
+            f"its stage whole. In configure_model, call parallelize_module(block, self.device_mesh['tensor_parallel'], "
+            f"plan) for each block (as for Lightning's ModelParallelStrategy), or use tensor_parallel_size=1.")
 
 
 def shared_block_weights(blocks: list[tuple[str, nn.Module]], outside: list[nn.Parameter]) -> str | None:

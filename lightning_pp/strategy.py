@@ -92,7 +92,8 @@ class PipelineParallelStrategy(ParallelStrategy):
         process_group_backend: str | None = None, reuse_cpu_memory: bool = True,
         microbatch_weight: Callable[[Any], Any] | None = None, activation_checkpointing: bool | int = False,
         outside_weights: str = "where_used", carry_block_outputs: bool = False, data_parallel: str = "ddp",
-        accelerator: pl.accelerators.Accelerator | None = None, parallel_devices: list[torch.device] | None = None,
+        tensor_parallel_size: int = 1, accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None, checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
@@ -105,7 +106,8 @@ class PipelineParallelStrategy(ParallelStrategy):
             process_group_timeout=process_group_timeout, checkpoint_format=checkpoint_format,
             process_group_backend=process_group_backend, reuse_cpu_memory=reuse_cpu_memory,
             microbatch_weight=microbatch_weight, activation_checkpointing=activation_checkpointing,
-            outside_weights=outside_weights, carry_block_outputs=carry_block_outputs, data_parallel=data_parallel)
+            outside_weights=outside_weights, carry_block_outputs=carry_block_outputs, data_parallel=data_parallel,
+            tensor_parallel_size=tensor_parallel_size)
         self._process_group_backend = process_group_backend  # chosen from the device in setup_environment if None
         self._num_nodes = 1
         self._session: StageSession | None = None  # this rank's stage during a Trainer run, from setup to teardown
@@ -141,19 +143,20 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     @property
     def num_stages(self) -> int:
-        """Ranks per pipeline: ``pipeline_parallel_size``, or by default one per process in the job. (Each holds
-        ``stages_per_rank`` stages; :attr:`stage` is this rank's place in its pipeline.)"""
-        return self.options.pipeline_parallel_size or max(1, self._world)
+        """Ranks per pipeline: ``pipeline_parallel_size``, or by default one per process in the job (over
+        ``tensor_parallel_size``). (Each holds ``stages_per_rank`` stages; :attr:`stage` is this rank's place in its
+        pipeline.)"""
+        return self.options.pipeline_parallel_size or max(1, self._world // self.options.tensor_parallel_size)
 
     @property
     def num_replicas(self) -> int:
         """Data-parallel replicas of the pipeline."""
-        return max(1, self._world // self.num_stages)
+        return max(1, self._world // (self.num_stages * self.options.tensor_parallel_size))
 
     @property
     def layout(self) -> PipelineLayout:
-        """Which global rank holds which stage of which replica."""
-        return PipelineLayout(self.num_stages, self.num_replicas)
+        """Which global rank holds which stage of which replica and tensor-parallel shard."""
+        return PipelineLayout(self.num_stages, self.num_replicas, self.options.tensor_parallel_size)
 
     @property
     def stage(self) -> int:
@@ -226,7 +229,7 @@ class PipelineParallelStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         fitting = trainer.state.fn == TrainerFn.FITTING
-        refuse_unsupported(module, fitting)
+        refuse_unsupported(module, fitting, self.options.tensor_parallel_size)
         assert self._schedules is not None  # set up with the world
         schedule = self._schedules(self.microbatches, False)  # raises for a count it cannot run
         assembly = assemble_stage(

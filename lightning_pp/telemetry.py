@@ -34,7 +34,7 @@ class PipelineTelemetry:
 
     device: torch.device = field(default_factory=lambda: torch.device("cpu"))  # the rank's device
     stage: int = 0  # this rank's place in its pipeline
-    replica: int = 0  # which data-parallel copy of the pipeline this rank belongs to
+    lane: int = 0  # which copy of the pipeline this rank belongs to (data-parallel replica, tensor-parallel rank)
     object_group: Any = None  # the group for object collectives (None: the default group)
     view: StagesOfRank | None = None  # the rank's stages and their blocks; which stage a pass runs
     # set by the monitor: receives the next training step's timed events and its sample count (None: not timed)

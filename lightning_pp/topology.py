@@ -25,58 +25,84 @@ log = logging.getLogger(__name__)
 
 @dataclass(frozen=True)
 class PipelineLayout:
-    """``num_replicas`` data-parallel copies of a pipeline of ``num_stages`` stages, one (stage, replica) per rank.
+    """``num_replicas`` data-parallel copies of a pipeline of ``num_stages`` stages, each stage split over
+    ``tensor_parallel`` ranks: one (stage, replica, tensor-parallel rank) per global rank.
 
-    The replicas of one stage sit on neighbouring ranks and each pipeline spans the outer dimension, as in Megatron:
-    ``rank = stage * num_replicas + replica``. On nodes of ``num_replicas`` (or a multiple of it) devices, a stage's
-    gradient all-reduce stays inside a node and only the pipeline's point-to-point transfers cross nodes.
+    A *lane* is one pipeline of ranks that hand activations to each other: one per (replica, tensor-parallel rank),
+    ``lane = replica * tensor_parallel + tensor_parallel_rank``. The pipeline is the outer dimension and the
+    tensor-parallel ranks of a stage sit next to each other, as in Megatron and torchtitan:
+    ``rank = stage * lanes + lane``. On nodes of ``lanes`` devices (or a multiple), the tensor-parallel collectives and
+    a stage's gradient all-reduce stay inside a node and only the pipeline's point-to-point transfers cross nodes.
 
     Example (4 ranks, 2 stages)::
 
         >>> layout = PipelineLayout(num_stages=2, num_replicas=2)
-        >>> layout.pipeline_ranks(1), layout.stage_ranks(1)
+        >>> layout.pipeline_ranks(1), layout.replica_ranks(1)
         ([1, 3], [2, 3])
     """
 
     num_stages: int
     num_replicas: int
+    tensor_parallel: int = 1
+
+    @property
+    def lanes(self) -> int:
+        """Pipelines of ranks: one per data-parallel replica and tensor-parallel rank."""
+        return self.num_replicas * self.tensor_parallel
 
     @property
     def world_size(self) -> int:
-        return self.num_stages * self.num_replicas
+        return self.num_stages * self.lanes
 
-    def rank(self, stage: int, replica: int) -> int:
-        """The global rank holding ``stage`` of ``replica``."""
-        return stage * self.num_replicas + replica
+    def rank(self, stage: int, lane: int) -> int:
+        """The global rank holding ``stage`` in ``lane``."""
+        return stage * self.lanes + lane
 
     def stage_of(self, rank: int) -> int:
-        return rank // self.num_replicas
+        return rank // self.lanes
+
+    def lane_of(self, rank: int) -> int:
+        return rank % self.lanes
 
     def replica_of(self, rank: int) -> int:
-        return rank % self.num_replicas
+        """The data-parallel replica ``rank`` belongs to (what the sampler shards by)."""
+        return self.lane_of(rank) // self.tensor_parallel
 
-    def pipeline_ranks(self, replica: int) -> list[int]:
-        """The ranks of one pipeline, in stage order: its point-to-point transfers and per-step results."""
-        return [self.rank(stage, replica) for stage in range(self.num_stages)]
+    def tensor_parallel_rank_of(self, rank: int) -> int:
+        return rank % self.tensor_parallel
 
-    def stage_ranks(self, stage: int) -> list[int]:
-        """The ranks holding ``stage``, one per replica: the data-parallel group its gradients are averaged in."""
-        return [self.rank(stage, replica) for replica in range(self.num_replicas)]
+    def pipeline_ranks(self, lane: int) -> list[int]:
+        """The ranks of one lane, in stage order: its point-to-point transfers and per-step results."""
+        return [self.rank(stage, lane) for stage in range(self.num_stages)]
+
+    def replica_ranks(self, rank: int) -> list[int]:
+        """The ranks holding what ``rank`` holds (its stage and tensor-parallel shard), one per replica: the
+        data-parallel group its gradients are averaged in."""
+        stage, tp = self.stage_of(rank), self.tensor_parallel_rank_of(rank)
+        return [self.rank(stage, replica * self.tensor_parallel + tp) for replica in range(self.num_replicas)]
+
+    def shard_ranks(self, tensor_parallel_rank: int) -> list[int]:
+        """Every rank holding tensor-parallel shard ``tensor_parallel_rank`` (every stage and replica)."""
+        return [rank for rank in range(self.world_size) if self.tensor_parallel_rank_of(rank) == tensor_parallel_rank]
 
     def __str__(self) -> str:
         width = len(str(self.world_size - 1))
-        rows = [f"stage {stage}: ranks " + " ".join(f"{r:>{width}}" for r in self.stage_ranks(stage))
+        rows = [f"stage {stage}: ranks " + " ".join(f"{self.rank(stage, lane):>{width}}" for lane in range(self.lanes))
                 for stage in range(self.num_stages)]
-        return (f"{self.num_replicas} replica(s) x {self.num_stages} stage(s); column = replica\n" + "\n".join(rows))
+        column = "replica" if self.tensor_parallel == 1 else "(replica, tensor-parallel rank), the latter innermost"
+        tp = f" x {self.tensor_parallel} tensor-parallel" if self.tensor_parallel > 1 else ""
+        return f"{self.num_replicas} replica(s) x {self.num_stages} stage(s){tp}; column = {column}\n" + "\n".join(rows)
 
 
 @dataclass
 class StageGroups:
     """The process groups one rank uses (``None`` means the default group of the whole world).
 
-    ``pipeline`` carries the per-step results and metric states inside one pipeline; ``p2p`` its activations and
-    gradients (two or four groups, see :class:`~lightning_pp.p2p.StageP2P`); ``replicas`` the stage's data-parallel
-    gradient average and metric reductions (only used with more than one replica).
+    ``pipeline`` carries the per-step results and metric states inside one lane; ``p2p`` its activations and
+    gradients (two or four groups, see :class:`~lightning_pp.p2p.StageP2P`); ``replicas`` the data-parallel gradient
+    average and metric reductions of what this rank holds (only used with more than one replica); ``shard_peers``
+    every rank holding this rank's tensor-parallel shard (None without tensor parallelism: the world), where the weights
+    every stage holds are summed and broadcast.
     """
 
     layout: PipelineLayout
@@ -86,6 +112,7 @@ class StageGroups:
     replicas: Any
     created: list[Any]  # every group this rank belongs to that it must destroy
     last_position: int  # the place in the pipeline of the rank holding the last stage (the schedule's choice)
+    shard_peers: Any = None
 
     def __deepcopy__(self, memo: dict[int, Any]) -> StageGroups:
         return self  # process groups are handles to this process's connections (a cloned metric keeps them)
@@ -99,50 +126,71 @@ class StageGroups:
         return self.layout.replica_of(self.rank)
 
     @property
+    def lane(self) -> int:
+        return self.layout.lane_of(self.rank)
+
+    @property
     def pipeline_ranks(self) -> list[int]:
-        return self.layout.pipeline_ranks(self.replica)
+        return self.layout.pipeline_ranks(self.lane)
 
     @property
     def last_stage_rank(self) -> int:
         return self.pipeline_ranks[self.last_position]
 
+    @property
+    def replica_root(self) -> int:
+        """The rank of replica 0 holding what this rank holds: where replicas start from, as DDP starts."""
+        return self.layout.replica_ranks(self.rank)[0]
+
 
 def create_groups(layout: PipelineLayout, rank: int, new_group: Callable[[list[int]], Any], p2p_groups: int = 2,
                   last_position: int = -1) -> StageGroups:
     """Create every group of ``layout`` (``new_group`` is collective: every rank creates all of them, in one order) and
-    keep this rank's: ``p2p_groups`` for transfers (see :class:`~lightning_pp.p2p.StageP2P`), one for the pipeline's
-    results when there are replicas, one per stage's replicas."""
-    mine: dict[str, Any] = {"pipeline": None, "p2p": (None,) * p2p_groups, "replicas": None}
+    keep this rank's: ``p2p_groups`` for transfers (see :class:`~lightning_pp.p2p.StageP2P`), one for the lane's
+    results when there are several lanes, one per set of replicas, one per tensor-parallel shard."""
+    mine: dict[str, Any] = {"pipeline": None, "p2p": (None,) * p2p_groups, "replicas": None, "shard_peers": None}
     created: list[Any] = []
     if layout.num_stages > 1:
-        for replica in range(layout.num_replicas):
-            ranks = layout.pipeline_ranks(replica)
-            groups = [new_group(ranks) for _ in range(p2p_groups + (layout.num_replicas > 1))]
+        for lane in range(layout.lanes):
+            ranks = layout.pipeline_ranks(lane)
+            groups = [new_group(ranks) for _ in range(p2p_groups + (layout.lanes > 1))]
             if rank in ranks:
                 created += groups
                 mine["p2p"] = tuple(groups[:p2p_groups])
-                if layout.num_replicas > 1:
+                if layout.lanes > 1:
                     mine["pipeline"] = groups[-1]
-    if layout.num_replicas > 1 and layout.num_stages > 1:
-        for stage in range(layout.num_stages):
-            ranks = layout.stage_ranks(stage)
+    if layout.num_replicas > 1 and layout.num_replicas < layout.world_size:
+        for first in range(layout.world_size):
+            ranks = layout.replica_ranks(first)
+            if ranks[0] != first:
+                continue
             group = new_group(ranks)
             if rank in ranks:
                 created.append(group)
                 mine["replicas"] = group
-    return StageGroups(layout, rank, mine["pipeline"], mine["p2p"], mine["replicas"], created, last_position)
+    if layout.tensor_parallel > 1:
+        for tp in range(layout.tensor_parallel):
+            ranks = layout.shard_ranks(tp)
+            group = new_group(ranks)
+            if rank in ranks:
+                created.append(group)
+                mine["shard_peers"] = group
+    return StageGroups(layout, rank, mine["pipeline"], mine["p2p"], mine["replicas"], created, last_position,
+                       mine["shard_peers"])
 
 
 def create_sharing_groups(layout: PipelineLayout, position_sets: Iterable[frozenset[int]], rank: int,
                           new_group: Callable[[list[int]], Any]) -> dict[frozenset[int], Any]:
-    """A group for each set of pipeline positions that share weights (with every replica of each), created by every
-    rank in one order; this rank keeps those it belongs to."""
+    """A group for each set of pipeline positions that share weights (with every replica of each; one per
+    tensor-parallel shard), created by every rank in one order; this rank keeps those it belongs to."""
     mine: dict[frozenset[int], Any] = {}
     for positions in sorted(set(position_sets), key=sorted):
-        ranks = sorted(layout.rank(stage, replica) for stage in positions for replica in range(layout.num_replicas))
-        group = new_group(ranks)
-        if rank in ranks:
-            mine[positions] = group
+        for tp in range(layout.tensor_parallel):
+            ranks = sorted(layout.rank(stage, replica * layout.tensor_parallel + tp) for stage in positions
+                           for replica in range(layout.num_replicas))
+            group = new_group(ranks)
+            if rank in ranks:
+                mine[positions] = group
     return mine
 
 
@@ -196,21 +244,21 @@ def gather_reports(report: str | None, world_size: int, group: Any) -> list[str]
 
 
 def create_device_mesh(layout: PipelineLayout, device_type: str) -> Any:
-    """The job's ranks as a DeviceMesh of ``MESH_DIMS`` (pipeline outermost; one tensor-parallel rank each), laid out
-    as ``layout`` places them (``rank = stage * num_replicas + replica``); every rank creates it (collective) once per
-    process group. None without a process group."""
+    """The job's ranks as a DeviceMesh of ``MESH_DIMS`` (pipeline outermost, tensor-parallel innermost), laid out as
+    ``layout`` places them; every rank creates it (collective) once per process group. None without a process
+    group."""
     if not dist.is_initialized():
         return None
     from torch.distributed.device_mesh import init_device_mesh
 
-    key = (layout.num_stages, layout.num_replicas, device_type)
+    shape = (layout.num_stages, layout.num_replicas, layout.tensor_parallel)
+    key = (*shape, device_type)
     world = dist.group.WORLD
     made = _MESHES.get(key)
     if made is None or made[0] is not world:  # one per process group: later runs (validate after fit) reuse it
-        made = _MESHES[key] = (world, init_device_mesh(device_type, (layout.num_stages, layout.num_replicas, 1),
-                                                       mesh_dim_names=MESH_DIMS))
+        made = _MESHES[key] = (world, init_device_mesh(device_type, shape, mesh_dim_names=MESH_DIMS))
     return made[1]
 
 
-_MESHES: dict[tuple[int, int, str], tuple[Any, Any]] = {}  # layout -> (the default group it was made in, the mesh)
+_MESHES: dict[tuple[int, int, int, str], tuple[Any, Any]] = {}  # layout -> (the default group it was made in, the mesh)
 

@@ -831,3 +831,59 @@ class SkipsAcrossStages(MLPClassifier):
 
 MODELS["all_hidden_states"] = AllHiddenStates
 MODELS["skips_across_stages"] = SkipsAcrossStages
+
+
+class FeedForward(nn.Module):
+    """A transformer's MLP block with its residual: the shape a tensor-parallel plan splits (column, then row)."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__()
+        self.up = nn.Linear(dim, hidden)
+        self.down = nn.Linear(hidden, dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(x)))
+
+
+class TensorParallelMLP(L.LightningModule):
+    """Blocks parallelized in ``configure_model`` as for Lightning's ``ModelParallelStrategy`` (each block's ``up``
+    column-wise, ``down`` row-wise over ``device_mesh["tensor_parallel"]``); SGD, so parameters compare element-wise.
+    Under ``ModelParallelStrategy`` with data-parallel ranks it also applies FSDP2 over ``"data_parallel"``, which that
+    strategy needs for its replicas to average gradients (a pipeline averages them itself)."""
+
+    def __init__(self, in_features: int = 10, dim: int = 16, classes: int = 5) -> None:
+        super().__init__()
+        self.inp = nn.Linear(in_features, dim)
+        self.blocks = nn.ModuleList(FeedForward(dim, 2 * dim) for _ in range(4))
+        self.head = nn.Linear(dim, classes)
+
+    def configure_model(self) -> None:
+        from lightning.pytorch.strategies import ModelParallelStrategy
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        mesh = self.device_mesh
+        if mesh is None:  # one device
+            return
+        for block in self.blocks:
+            parallelize_module(block, mesh["tensor_parallel"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
+        if isinstance(self.trainer.strategy, ModelParallelStrategy) and mesh["data_parallel"].size() > 1:
+            from torch.distributed.fsdp import fully_shard
+
+            for block in self.blocks:
+                fully_shard(block, mesh=mesh["data_parallel"])
+            fully_shard(self, mesh=mesh["data_parallel"])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        hidden = self.inp(x)
+        for block in self.blocks:
+            hidden = block(hidden)
+        loss = nn.functional.cross_entropy(self.head(hidden), y)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)
+
+
+MODELS["tp_mlp"] = TensorParallelMLP

@@ -34,6 +34,16 @@ def train_ddp(model: str, max_steps: int = 4, batch_size: int = 8, trainer: dict
     return _train("ddp", model, max_steps, batch_size, trainer, max_epochs, ckpt_path, save_to)
 
 
+def train_model_parallel(model: str, data_parallel_size: int, tensor_parallel_size: int, max_steps: int = 4,
+                         trainer: dict[str, Any] | None = None) -> dict[str, Any]:
+    """`train` with Lightning's own ``ModelParallelStrategy``: the reference of tensor parallelism."""
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    return _train(ModelParallelStrategy(data_parallel_size=data_parallel_size,
+                                        tensor_parallel_size=tensor_parallel_size), model, max_steps, 8, trainer,
+                  None, None, None)
+
+
 def _train(strategy: Any, model: str, max_steps: int, batch_size: int, trainer: dict[str, Any] | None,
            max_epochs: int | None, ckpt_path: str | None, save_to: str | None, fp16_scaler: bool = False,
            seed_per_rank: bool = False) -> dict[str, Any]:

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import re
+
 import pytest
 import torch
 
@@ -110,19 +112,47 @@ def test_pipeline_size_must_divide_the_world_before_launch() -> None:
             PipelineParallelStrategy(pipeline_parallel_size=bad)  # type: ignore[arg-type]
 
 
+def test_tensor_parallel_size_is_checked_before_launch() -> None:
+    import lightning as L
+
+    with pytest.raises(PipelineConfigError, match=r"pipeline_parallel_size x tensor_parallel_size = 2 x 2 = 4 does not "
+                                                  r"divide the world of 6 processes"):
+        L.Trainer(strategy=PipelineParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2),
+                  accelerator="cpu", devices=6, logger=False)
+    for bad in (0, 2.0, "2", None):
+        with pytest.raises(PipelineConfigError, match=re.escape(f"tensor_parallel_size={bad!r}")):
+            PipelineParallelStrategy(tensor_parallel_size=bad)  # type: ignore[arg-type]
+    with pytest.raises(PipelineConfigError, match="balance='time' measures the blocks on global rank 0 alone"):
+        PipelineParallelStrategy(tensor_parallel_size=2, balance="time")
+
+
 def test_layout_places_replicas_of_a_stage_on_neighbouring_ranks() -> None:
     layout = PipelineLayout(num_stages=3, num_replicas=2)
     assert layout.world_size == 6
-    assert [layout.stage_ranks(s) for s in range(3)] == [[0, 1], [2, 3], [4, 5]]
+    assert [layout.replica_ranks(2 * s) for s in range(3)] == [[0, 1], [2, 3], [4, 5]]
     assert [layout.pipeline_ranks(r) for r in range(2)] == [[0, 2, 4], [1, 3, 5]]
     for rank in range(6):
         assert layout.rank(layout.stage_of(rank), layout.replica_of(rank)) == rank
     assert str(layout).splitlines()[1:] == ["stage 0: ranks 0 1", "stage 1: ranks 2 3", "stage 2: ranks 4 5"]
+    # pipeline x data-parallel x tensor-parallel, tensor-parallel innermost (as DeviceMesh (P, D, T) numbers ranks)
+    layout = PipelineLayout(num_stages=2, num_replicas=2, tensor_parallel=2)
+    assert (layout.world_size, layout.lanes) == (8, 4)
+    assert [layout.pipeline_ranks(lane) for lane in range(4)] == [[0, 4], [1, 5], [2, 6], [3, 7]]
+    assert [(layout.stage_of(r), layout.replica_of(r), layout.tensor_parallel_rank_of(r)) for r in range(8)] == [
+        (p, d, t) for p in range(2) for d in range(2) for t in range(2)]
+    assert layout.replica_ranks(5) == [5, 7] and layout.shard_ranks(1) == [1, 3, 5, 7]
+    assert str(layout).splitlines()[1:] == ["stage 0: ranks 0 1 2 3", "stage 1: ranks 4 5 6 7"]
     strategy = PipelineParallelStrategy(pipeline_parallel_size=2)
     strategy.parallel_devices = [torch.device("cpu")] * 4
     assert (strategy.num_stages, strategy.num_replicas, strategy.layout) == (2, 2, PipelineLayout(2, 2))
     assert strategy.distributed_sampler_kwargs == {"num_replicas": 2, "rank": 0} and strategy.is_distributed
     assert PipelineParallelStrategy().is_distributed is False  # one pipeline: the user's loader is kept
+    strategy = PipelineParallelStrategy(pipeline_parallel_size=2, tensor_parallel_size=2)
+    strategy.parallel_devices = [torch.device("cpu")] * 8
+    assert (strategy.num_stages, strategy.num_replicas, strategy.layout) == (2, 2, PipelineLayout(2, 2, 2))
+    strategy = PipelineParallelStrategy(tensor_parallel_size=2)  # the pipeline spans the world over T
+    strategy.parallel_devices = [torch.device("cpu")] * 4
+    assert (strategy.num_stages, strategy.num_replicas) == (2, 1) and not strategy.is_distributed
 
 
 def test_registry_alias() -> None:

@@ -217,7 +217,7 @@ def test_layout_places_replicas_of_a_stage_on_neighbouring_ranks() -> None:
     assert [layout.rank(s, r) for s in range(3) for r in range(2)] == list(range(6))
     assert [(layout.stage_of(g), layout.replica_of(g)) for g in range(6)] == [
         (0, 0), (0, 1), (1, 0), (1, 1), (2, 0), (2, 1)]
-    assert [layout.stage_ranks(s) for s in range(3)] == [[0, 1], [2, 3], [4, 5]]
+    assert [layout.replica_ranks(2 * s) for s in range(3)] == [[0, 1], [2, 3], [4, 5]]
     assert [layout.pipeline_ranks(r) for r in range(2)] == [[0, 2, 4], [1, 3, 5]]
     for bad in (0, -1, 2.0, "2", True):
         with pytest.raises(PipelineConfigError, match=re.escape(f"pipeline_parallel_size={bad!r}")):

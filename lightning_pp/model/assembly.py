@@ -25,7 +25,13 @@ from lightning_pp.model.placement import WeightPlacement
 from lightning_pp.model.sides import not_ours
 from lightning_pp.model.split import Partition, split_module
 from lightning_pp.options import PipelineOptions
-from lightning_pp.sharding import BlockSharding, is_sharded, refuse_user_sharding, shared_block_weights
+from lightning_pp.sharding import (
+    BlockSharding,
+    local,
+    refuse_user_sharding,
+    sharded_over_replicas,
+    shared_block_weights,
+)
 from lightning_pp.topology import PipelineLayout, StageGroups, create_groups, create_sharing_groups, gather_reports
 
 __all__ = ["StageAssembly", "assemble_stage", "balance_for", "check_initialized", "is_assembled",
@@ -79,11 +85,11 @@ def placement_of(module: nn.Module) -> WeightPlacement | None:
     return earlier.placement if earlier is not None else None
 
 
-def refuse_unsupported(module: Any, fitting: bool) -> None:
-    """Before any collective: sharding the module applied itself (before our first run on it), and (fit) manual
-    optimization, are refused."""
+def refuse_unsupported(module: Any, fitting: bool, tensor_parallel_size: int) -> None:
+    """Before any collective: sharding the module applied itself other than a tensor-parallel plan (before our first
+    run on it), ``tensor_parallel_size`` without a plan, and (fit) manual optimization, are refused."""
     if not is_assembled(module):
-        refuse_user_sharding(module)
+        refuse_user_sharding(module, tensor_parallel_size)
     if fitting:
         refuse_manual_optimization(module)
 
@@ -158,28 +164,33 @@ def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout
             raise PipelineConfigError("; ".join(failed))
     groups = create_groups(layout, rank, new_group, p2p_groups=2 if schedule.stages_per_rank == 1 else 4,
                            last_position=schedule.stage_to_rank[-1])
-    if rank == 0 and layout.num_replicas > 1:
+    if rank == 0 and layout.lanes > 1:
         print(f"lightning_pp: {layout}")
     made: list[str] = []
     if sharding is not None:
         made += _shard_blocks(module, partition, sharding, groups, device)
         earlier.sharding = sharding
     if has_meta_tensors(module):  # alike on every rank: the module was built alike
+        for name, _ in partition.view.named_local_blocks():  # block by block: a tensor-parallel one is made whole
+            made += materialize(module, device, part=name)
         made += materialize(module, device)
+    # each tensor-parallel shard's values come from the rank holding the same shard: `shard_peers`, `replica_root`
+    tp = layout.tensor_parallel_rank_of(rank)
     placement = earlier.placement
     if placement is not None:  # an earlier run may have left some weights on some ranks only
-        placement.restore(lambda tensors, position: broadcast_tensors(tensors, layout.rank(position, 0), None,
-                                                                      device))
+        placement.restore(lambda tensors, position: broadcast_tensors(tensors, layout.rank(position, tp),
+                                                                      groups.shard_peers, device))
     to_device()
     shared, shared_buffers = partition.shared_tensors(module)
-    if layout.world_size > 1 and fresh:
+    if layout.world_size > layout.tensor_parallel and fresh:
         # later runs: the placement's restore above brought each weight back from a rank that held it; a head's
         # buffers stay current where it ran
-        broadcast_tensors([*shared, *shared_buffers], 0, None, device)
+        broadcast_tensors([*shared, *shared_buffers], tp, groups.shard_peers, device)
     if layout.num_replicas > 1:
         everywhere = {id(t) for t in (*shared, *shared_buffers)}
-        own = [t for t in (*module.parameters(), *module.buffers()) if id(t) not in everywhere and not is_sharded(t)]
-        broadcast_tensors(own, layout.rank(stage, 0), groups.replicas, device)
+        own = [t for t in (*module.parameters(), *module.buffers())  # sharded ones started alike (_shard_blocks)
+               if id(t) not in everywhere and not sharded_over_replicas(t)]
+        broadcast_tensors(own, groups.replica_root, groups.replicas, device)
     if place_where_used and placement is None:
         placement = earlier.placement = WeightPlacement(module, shared, stage, layout.num_stages)
     partition.view.pass_context = placement.reads if placement is not None else contextlib.nullcontext
@@ -191,7 +202,6 @@ def _shard_blocks(module: nn.Module, partition: Partition, sharding: BlockShardi
                   device: torch.device) -> list[str]:
     """Shard this rank's blocks over the stage's replicas, one at a time: materialize it (a meta build), give it replica
     0's values (as DDP starts), shard it. Returns the names of the tensors materialized."""
-    layout = groups.layout
     made: list[str] = []
     for name, block in partition.view.named_local_blocks():
         if has_meta_tensors(block):
@@ -199,7 +209,7 @@ def _shard_blocks(module: nn.Module, partition: Partition, sharding: BlockShardi
         block.to(device)
         with torch.no_grad():  # in place, tensor by tensor: no flat copy of the block beside it
             for tensor in (*block.parameters(), *block.buffers()):
-                dist.broadcast(tensor, layout.rank(groups.stage, 0), group=groups.replicas)
+                dist.broadcast(local(tensor), groups.replica_root, group=groups.replicas)
         sharding.shard(block, last=lambda hook: not not_ours(hook))
     return made
 

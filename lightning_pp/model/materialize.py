@@ -105,11 +105,18 @@ def _part_of(module: nn.Module, part: str) -> tuple[nn.Module, Any]:
 def materialize(module: nn.Module, device: torch.device, part: str = "") -> list[str]:
     """Give every meta tensor of ``module`` storage on ``device`` and initialize it (see the module docstring); tied
     weights stay tied. ``part``: only this submodule of ``module`` (a block), named and initialized as within the
-    whole. Returns the names of the tensors it made, for :func:`left_uninitialized`."""
+    whole. Returns the names of the tensors it made, for :func:`left_uninitialized`.
+
+    A meta DTensor (a tensor-parallel plan applied to the meta build) is made and initialized whole, then each rank
+    keeps its own shard of it (no communication): its values do not depend on the tensor-parallel size either. So the
+    whole size of one ``part`` is allocated for a moment."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
     storage: dict[int, Tensor] = {}  # one new tensor per meta tensor, so that a tied weight stays one weight
     made: list[str] = []
     to_initialize: list[tuple[str, nn.Module, list[Any]]] = []
     holds_meta: set[int] = set()
+    distributed: list[tuple[nn.Module, str, DTensor]] = []  # (module, name, meta DTensor): sharded once initialized
     root, enclosing = _part_of(module, part)
     for path, sub, hf_model in _modules_children_first(root, part, enclosing):
         owned = list(_owned_meta(sub))
@@ -119,11 +126,15 @@ def materialize(module: nn.Module, device: torch.device, part: str = "") -> list
         for name, tensor, is_parameter in owned:
             new = storage.get(id(tensor))
             if new is None:
-                new = _filled_with_sentinel(tensor, device)
+                whole = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta") if isinstance(tensor, DTensor) \
+                    else tensor
+                new = _filled_with_sentinel(whole, device)
                 if is_parameter:
                     new = nn.Parameter(new, requires_grad=tensor.requires_grad)
                 storage[id(tensor)] = new
                 made.append(f"{path}.{name}" if path else name)
+            if isinstance(tensor, DTensor):
+                distributed.append((sub, name, tensor))
             setattr(sub, name, new)
     base_seed = torch.initial_seed()  # the job's seed (read before the loop reseeds)
     # the CPU generator always; CUDA's where the device is one (fork_rng restores what it forks)
@@ -132,6 +143,16 @@ def materialize(module: nn.Module, device: torch.device, part: str = "") -> list
             torch.manual_seed((base_seed + zlib.crc32(path.encode())) % 2**63)
             for init in initializers:
                 init()
+    shards: dict[int, Tensor] = {}
+    for sub, name, spec in distributed:
+        whole = storage[id(spec)]
+        shard = shards.get(id(spec))
+        if shard is None:
+            shard = distribute_tensor(whole.detach(), spec.device_mesh, spec.placements, src_data_rank=None)
+            if isinstance(whole, nn.Parameter):
+                shard = nn.Parameter(shard, requires_grad=whole.requires_grad)
+            shards[id(spec)] = shard
+        setattr(sub, name, shard)
     return made
 
 

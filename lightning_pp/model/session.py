@@ -32,7 +32,7 @@ from lightning_pp.model.results import outputs_read
 from lightning_pp.model.step import StepDriver
 from lightning_pp.options import PipelineOptions
 from lightning_pp.p2p import StageP2P, connect_stages
-from lightning_pp.sharding import is_sharded
+from lightning_pp.sharding import sharded_over_replicas
 from lightning_pp.summary import summarize_whole_model
 from lightning_pp.telemetry import PipelineTelemetry
 from lightning_pp.topology import PipelineLayout
@@ -98,25 +98,25 @@ class StageSession:
                                  shared=assembly.shared)
         self.checkpoints = StageCheckpoints(
             module, partition, self._not_on_last_stage, world=layout.world_size, rank=rank, stage=self.stage,
-            replica=layout.replica_of(rank), num_stages=layout.num_stages, rank_of=layout.rank,
+            lane=layout.lane_of(rank), num_stages=layout.num_stages, rank_of=layout.rank,
             object_group=object_group, device=device)
         self._undo_summary = summarize_whole_model(module.trainer, layout.stage_of, object_group) if pipelined else None
         # until training starts (see set_aside_example_input)
         self._example_input = set_aside_example_input(module, rank) if fitting and pipelined else None
-        telemetry.device, telemetry.stage, telemetry.replica = device, self.stage, layout.replica_of(rank)
+        telemetry.device, telemetry.stage, telemetry.lane = device, self.stage, layout.lane_of(rank)
         telemetry.object_group, telemetry.view = object_group(), partition.view
 
     def _connect_eager(self, options: PipelineOptions, stage_to_rank: Sequence[int]) -> None:
         """Passes through the blocks outside the pipelined micro-batches (see :mod:`lightning_pp.model.eager`)."""
-        view, layout, replica = self.assembly.partition.view, self.layout, self.layout.replica_of(self.rank)
+        view, layout, lane = self.assembly.partition.view, self.layout, self.layout.lane_of(self.rank)
         view.eager = EagerLink(self.assembly.groups.pipeline, self.device, options.transfer_timeout,
                                where=lambda: f"stage {self.stage} (rank {self.rank})",
                                hook=lambda: _compat.current_hook(self.module))
-        view.rank_of = lambda stage: layout.rank(stage_to_rank[stage], replica)
+        view.rank_of = lambda stage: layout.rank(stage_to_rank[stage], lane)
         placement = self.assembly.placement
         if placement is not None:
             placement.share_through = view.sharing_outputs
-            placement.global_rank_of = lambda position: layout.rank(position, replica)
+            placement.global_rank_of = lambda position: layout.rank(position, lane)
 
     def start_loop(self, step_name: str, collective: Collective) -> None:
         """At the start of a loop (after a checkpoint was restored): refuse what a meta-device build left
@@ -166,7 +166,7 @@ class StageSession:
             with collective("the blocks' gradient reduce-scatter over the replicas (FSDP2)"):
                 assembly.sharding.reduce_grads()
         with collective("the gradient all-reduce (replicas' average, weights several stages hold)"):
-            params = [p for p in self.module.parameters() if p.requires_grad and not is_sharded(p)]
+            params = [p for p in self.module.parameters() if p.requires_grad and not sharded_over_replicas(p)]
             sync_ms = assembly.grads.synchronize(params, timed)
         self.telemetry.last_grad_sync_bytes = assembly.grads.last_bytes
         if timed:  # for PipelineMonitor

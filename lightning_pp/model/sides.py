@@ -46,9 +46,17 @@ def not_ours(hook: Any) -> bool:
     return not getattr(hook, "__dict__", {}).get("lightning_pp")
 
 
+def _parallelism_hook(hook: Any) -> bool:
+    """Whether ``hook`` is torch.distributed's own (a tensor-parallel plan's output layout, FSDP's): part of how the
+    module computes on this stage, not a record of its output for code after the blocks."""
+    return getattr(getattr(hook, "func", hook), "__module__", "").startswith("torch.distributed.")
+
+
 def _foreign_hooks(module: nn.Module) -> list[tuple[Callable[..., Any], bool]]:
-    """The module's forward hooks that are not ours, each with whether it takes the call's kwargs."""
-    return [(hook, with_kwargs) for hook, with_kwargs in _compat.forward_hooks(module) if not_ours(hook)]
+    """The module's forward hooks that are neither ours nor torch.distributed's, each with whether it takes the call's
+    kwargs."""
+    return [(hook, with_kwargs) for hook, with_kwargs in _compat.forward_hooks(module)
+            if not_ours(hook) and not _parallelism_hook(hook)]
 
 
 def with_sides(output: Any, sides: Sides) -> Any:
