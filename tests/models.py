@@ -869,9 +869,8 @@ class TensorParallelMLP(L.LightningModule):
         if isinstance(self.trainer.strategy, ModelParallelStrategy) and mesh["data_parallel"].size() > 1:
             from torch.distributed.fsdp import fully_shard
 
-            for block in self.blocks:
-                fully_shard(block, mesh=mesh["data_parallel"])
-            fully_shard(self, mesh=mesh["data_parallel"])
+            for module in (self.inp, *self.blocks, self.head):  # each is called by the step itself
+                fully_shard(module, mesh=mesh["data_parallel"])
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         x, y = batch

@@ -1,0 +1,174 @@
+"""Multi-process tier: pipeline x tensor parallelism (x data parallelism) equals Lightning's ``ModelParallelStrategy``
+running the same ``configure_model`` (fp32, tight).
+
+``models.TensorParallelMLP`` parallelizes each block in ``configure_model`` (``up`` column-wise, ``down`` row-wise
+over ``self.device_mesh["tensor_parallel"]``), as a module written for ``ModelParallelStrategy`` does; with
+data-parallel ranks under that strategy it also applies FSDP2 to each module its step calls, which that strategy
+needs for its replicas to average gradients. Its weights outside the blocks stay plain tensors, so torch's
+``clip_grad_norm_`` under ``ModelParallelStrategy`` (which cannot mix meshes) is not the reference for clipping: one
+device is, and one device equals ``ModelParallelStrategy(1, 2)`` (both checked below).
+
+Jobs (module-scoped, shared by the tests): the references on 2 and 4 processes, 2 stages x 2 tensor-parallel ranks on
+4, and 2 stages x 2 replicas x 2 tensor-parallel ranks on 8 (the one 8-process job of the suite).
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from _launch import RankResult, launch
+from models import TensorParallelMLP, fit
+from support import assemble, assert_matches
+
+from lightning_pp.model.materialize import materialize
+
+STAGES, REPLICAS, TP = 2, 2, 2
+ACCUMULATED = {"accumulate_grad_batches": 2}  # 2 replicas x 2 batches per epoch: one optimizer step per epoch
+CLIPPED = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}
+# the user's loader kept, as a pipeline with one replica keeps it (ModelParallelStrategy would inject a sampler)
+OWN_LOADER = {"use_distributed_sampler": False}
+
+
+def pipelined(schedule: str = "1f1b", trainer: dict[str, Any] | None = None, **strategy: Any) -> dict[str, Any]:
+    return {"scenario": "train", "kwargs": {"model": "tp_mlp", "schedule": schedule, "microbatches": 2,
+                                            "pipeline_parallel_size": STAGES, "tensor_parallel_size": TP,
+                                            "trainer": trainer or {}, **strategy}}
+
+
+def model_parallel(data_parallel_size: int, trainer: dict[str, Any]) -> dict[str, Any]:
+    return {"scenario": "train_model_parallel", "kwargs": {
+        "model": "tp_mlp", "data_parallel_size": data_parallel_size, "tensor_parallel_size": TP, "trainer": trainer}}
+
+
+def ok(ranks: list[RankResult], index: int) -> list[RankResult]:
+    for global_rank, rank in enumerate(ranks):
+        assert index not in rank.errors, f"rank {global_rank}: {rank.errors[index]['traceback']}\n{rank.output[-3000:]}"
+    return ranks
+
+
+def reference_of(ranks: list[RankResult], index: int = 0) -> dict[str, Any]:
+    result = ok(ranks, index)[0].results[index]
+    return {"state": result["state"], "history": result["history"]}
+
+
+# ----------------------------------------------------------------------------------------------------- shared jobs
+
+
+@pytest.fixture(scope="module")
+def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return tmp_path_factory.mktemp("tp_checkpoints")
+
+
+@pytest.fixture(scope="module")
+def references() -> dict[str, list[RankResult]]:
+    """Lightning's ModelParallelStrategy: 1 x 2 on 2 processes, 2 x 2 (FSDP2 over the replicas) on 4."""
+    return {"tp": launch(2, [model_parallel(1, OWN_LOADER)], timeout=150),
+            "dp_tp": launch(4, [model_parallel(2, ACCUMULATED)], timeout=200)}
+
+
+@pytest.fixture(scope="module")
+def job8(checkpoints: Path) -> list[RankResult]:
+    """8 processes, 2 stages x 2 replicas x 2 tensor-parallel ranks: ddp; fsdp (2-D: FSDP2 over the replicas of
+    tensor-parallel blocks), saving a sharded checkpoint; a meta build with fsdp, not trained (its initial values)."""
+    runs = [pipelined(trainer=ACCUMULATED),
+            pipelined(trainer=ACCUMULATED, data_parallel="fsdp", save_to=str(checkpoints / "sharded"),
+                      checkpoint_format="sharded"),
+            pipelined(trainer={"meta": True}, data_parallel="fsdp", max_steps=0)]
+    return launch(STAGES * REPLICAS * TP, runs, timeout=300)
+
+
+@pytest.fixture(scope="module")
+def job4(checkpoints: Path, job8: list[RankResult]) -> list[RankResult]:
+    """4 processes, 2 stages x 2 tensor-parallel ranks: 1f1b saving a full checkpoint, zb_h1, interleaved 1F1B,
+    clipping by the global norm; the 8-process job's sharded checkpoint resumed here (no step left: its weights);
+    and tensor_parallel_size with a module that applies no plan."""
+    runs = [pipelined(trainer=OWN_LOADER, save_to=str(checkpoints / "full.ckpt")),
+            pipelined("zb_h1", trainer=OWN_LOADER),
+            pipelined("interleaved_1f1b", trainer=OWN_LOADER, stages_per_rank=2),
+            pipelined(trainer={**OWN_LOADER, **CLIPPED}),
+            pipelined(trainer=OWN_LOADER, ckpt_path=str(checkpoints / "sharded")),
+            {"scenario": "expect_error", "kwargs": {"model": "mlp_sgd", "pipeline_parallel_size": STAGES,
+                                                    "tensor_parallel_size": TP}}]
+    return launch(STAGES * TP, runs, timeout=240)
+
+
+# ----------------------------------------------------------------------------------------------------- tests
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_pipeline_by_tensor_parallel_equals_model_parallel_strategy(
+        references: dict[str, list[RankResult]], job4: list[RankResult]) -> None:
+    expected = reference_of(references["tp"])
+    one_device = fit("tp_mlp", **OWN_LOADER)[0]  # ModelParallelStrategy(1, 2) equals one device
+    for name, value in one_device.state_dict().items():
+        torch.testing.assert_close(expected["state"][name], value, rtol=1e-5, atol=5e-6)
+    for index, label in enumerate(["pp2 x tp2 1f1b", "pp2 x tp2 zb_h1", "pp2 x tp2 interleaved_1f1b"]):
+        full, history = assemble(ok(job4, index), index)
+        assert_matches(full, history, expected, label)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_global_norm_clipping_counts_each_tensor_parallel_shard_once(job4: list[RankResult]) -> None:
+    module, logger = fit("tp_mlp", **OWN_LOADER, **CLIPPED)
+    full, history = assemble(ok(job4, 3), 3)
+    assert_matches(full, history, {"state": module.state_dict(), "history": logger.history}, "clipped pp2 x tp2")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_pipeline_by_data_by_tensor_parallel_equals_model_parallel_strategy(
+        references: dict[str, list[RankResult]], job8: list[RankResult]) -> None:
+    expected = reference_of(references["dp_tp"])
+    for index, (label, share) in enumerate([("pp2 x dp2 x tp2 ddp", TP), ("pp2 x dp2 x tp2 fsdp", TP * REPLICAS)]):
+        full, history = assemble(ok(job8, index), index)
+        assert_matches(full, history, expected, label)
+        for global_rank, rank in enumerate(job8):  # a block weight: 1/T of it (ddp), 1/(D*T) (fsdp) on each rank
+            numel = rank.results[index]["local_numel"]
+            block = 2 if global_rank >= 4 else 0
+            assert numel[f"blocks.{block}.up.weight"] == full[f"blocks.{block}.up.weight"].numel() // share, label
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_meta_build_materializes_each_shard_as_one_device_would(job8: list[RankResult]) -> None:
+    """Made whole and cut: the initial values do not depend on P, D or T (one device materializing alike)."""
+    torch.manual_seed(7)
+    with torch.device("meta"):
+        model = TensorParallelMLP()
+    materialize(model, torch.device("cpu"))
+    full, _ = assemble(ok(job8, 2), 2)
+    for name, value in model.state_dict().items():
+        torch.testing.assert_close(full[name], value, rtol=0, atol=0, msg=name)
+    for global_rank, rank in enumerate(job8):
+        block = 2 if global_rank >= 4 else 0
+        assert rank.results[2]["local_numel"][f"blocks.{block}.up.weight"] == 32 * 16 // (REPLICAS * TP)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_checkpoints_of_tensor_parallel_stages(checkpoints: Path, job8: list[RankResult],
+                                                job4: list[RankResult]) -> None:
+    """The full checkpoint (pp2 x tp2) loads in plain Lightning; the sharded one (pp2 x dp2 x tp2 with fsdp) resumes
+    at pp2 x tp2 with its weights."""
+    full, _ = assemble(ok(job4, 0), 0)
+    loaded = TensorParallelMLP.load_from_checkpoint(checkpoints / "full.ckpt", weights_only=True)
+    for name, value in loaded.state_dict().items():
+        torch.testing.assert_close(value, full[name], rtol=0, atol=0, msg=name)
+    saved, _ = assemble(ok(job8, 1), 1)
+    resumed, _ = assemble(ok(job4, 4), 4)
+    for name, value in saved.items():
+        torch.testing.assert_close(resumed[name], value, rtol=0, atol=0, msg=name)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_tensor_parallel_size_without_a_plan_is_refused_on_every_rank(job4: list[RankResult]) -> None:
+    for rank in ok(job4, 5):
+        error = rank.results[5]
+        assert error["type"] == "PipelineConfigError", error
+        assert "tensor_parallel_size=2, but the module applies no tensor-parallel plan" in error["message"]
