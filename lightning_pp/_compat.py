@@ -253,14 +253,23 @@ def reduce_fsdp_grads(module: Any) -> None:
     (FSDP's end-of-backward callback, queued by each backward, reduces nothing while gradient sync is off)."""
     from torch.distributed.fsdp import fully_shard
 
+    state = fully_shard.state(module)  # type: ignore[attr-defined]
+    if state._is_root is None:  # never run (a head on the first stage): nothing accumulated, alike on every replica
+        return
     module.set_is_last_backward(True)
     module.set_reshard_after_backward(True)
     module.set_requires_gradient_sync(True)
-    state = fully_shard.state(module)  # type: ignore[attr-defined]
     for each in state._state_ctx.all_states:
         for param_group in each._fsdp_param_groups:
             param_group.post_backward()
     state._root_post_backward_final_callback()
+
+
+def unsharded_class(cls: type) -> type:
+    """``cls``, or for the class ``fully_shard`` made of a module's class (``FSDP<Class>``), that class."""
+    from torch.distributed.fsdp import FSDPModule
+
+    return next(base for base in cls.__mro__ if not issubclass(base, FSDPModule))
 
 
 def move_forward_hooks_last(module: torch.nn.Module, last: Callable[[Any], bool]) -> None:

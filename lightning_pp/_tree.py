@@ -10,6 +10,7 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
+from torch.distributed.tensor import DTensor
 
 from lightning_pp.errors import PipelineConfigError
 
@@ -30,6 +31,13 @@ def flatten(obj: Any) -> tuple[list[torch.Tensor], Spec]:
     tensors: list[torch.Tensor] = []
 
     def walk(value: Any) -> Spec:
+        if isinstance(value, DTensor):
+            raise PipelineConfigError(
+                f"A block handed the next block a DTensor ({value.placements} on mesh "
+                f"{value.device_mesh.mesh_dim_names}), which cannot cross pipeline stages: each tensor-parallel rank "
+                f"hands its own part to the same rank of the next stage. Let the plan's last layer of each block "
+                f"return a plain tensor (use_local_output=True, the default of ColwiseParallel, RowwiseParallel and "
+                f"SequenceParallel).")
         if isinstance(value, torch.Tensor) and value.is_nested:
             return walk_nested(value)
         if isinstance(value, torch.Tensor):

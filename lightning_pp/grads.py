@@ -17,7 +17,7 @@ from torch.optim import Optimizer
 
 from lightning_pp import _compat
 from lightning_pp._device import synchronize_device
-from lightning_pp.sharding import local
+from lightning_pp.sharding import local, sharded_over_replicas
 from lightning_pp.topology import StageGroups
 
 __all__ = ["PipelineGradients", "add_to_grads", "broadcast_tensors"]
@@ -130,8 +130,15 @@ class PipelineGradients:
         if layout.world_size == 1:
             return
         by_positions: dict[frozenset[int], list[nn.Parameter]] = {}
+        sharded_outside = []  # reduce-scattered over the replicas by the module's own FSDP units; held by every stage
         for p in params:
+            if sharded_over_replicas(p):
+                if id(p) in self.outside:
+                    sharded_outside.append(p)
+                continue
             by_positions.setdefault(self.positions_of(p), []).append(p)
+        if sharded_outside and layout.num_stages > 1:
+            self._all_reduce(self._used(sharded_outside, self.groups.pipeline), self.groups.pipeline, 1)
         for positions in sorted(by_positions, key=lambda s: (-len(s), sorted(s))):
             if len(positions) == 1:
                 if replicas > 1:
@@ -188,13 +195,13 @@ class PipelineGradients:
         squared = torch.zeros((), dtype=torch.float64, device=self.device)
         by_mesh: dict[Any, Tensor] = {}  # the squared norms of sharded gradients, per mesh, to be summed over it
         for p, grad in grads:
-            if isinstance(grad, DTensor):
+            if isinstance(grad, DTensor) and min(self.positions_of(p)) == self.groups.stage:
                 copies = math.prod(grad.device_mesh.size(dim) for dim, placement in enumerate(grad.placements)
                                    if placement.is_replicate())
                 share = torch.linalg.vector_norm(grad.to_local().detach(), dtype=torch.float64) ** 2 / copies
                 mesh = grad.device_mesh
                 by_mesh[mesh] = by_mesh.get(mesh, torch.zeros_like(squared)) + share
-            elif min(self.positions_of(p)) == self.groups.stage:
+            elif not isinstance(grad, DTensor) and min(self.positions_of(p)) == self.groups.stage:
                 squared += torch.linalg.vector_norm(grad.detach(), dtype=torch.float64) ** 2
         for mesh, share in sorted(by_mesh.items(), key=lambda item: item[0].mesh_dim_names or ()):
             for dim in range(mesh.ndim):  # summed over every dimension: over the whole mesh

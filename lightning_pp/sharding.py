@@ -15,8 +15,8 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from lightning_pp import _compat
 from lightning_pp.errors import PipelineConfigError
 
-__all__ = ["BlockSharding", "full_tensors", "is_sharded_module", "local", "refuse_user_sharding", "shard_like",
-           "sharded_over_replicas", "shared_block_weights"]
+__all__ = ["BlockSharding", "fsdp_units", "full_tensors", "is_sharded_module", "local", "refuse_user_sharding",
+           "shard_like", "sharded_over_replicas", "shared_block_weights"]
 
 
 def sharded_over_replicas(tensor: Any) -> bool:
@@ -35,20 +35,36 @@ def is_sharded_module(module: nn.Module | None) -> bool:
     return module is not None and any(isinstance(p, DTensor) for p in module.parameters())
 
 
-class BlockSharding:
-    """FSDP2 over ``mesh`` (the stage's replicas, a 1-D DeviceMesh) for the blocks passed to :meth:`shard`."""
+def fsdp_units(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """The FSDP2 units in ``module`` (``fully_shard`` applied), outermost first."""
+    from torch.distributed.fsdp import FSDPModule
 
-    def __init__(self, mesh: Any) -> None:
+    def is_unit(sub: nn.Module) -> bool:
+        return issubclass(type(sub), FSDPModule)  # the type: a stand-in shows its block's class to isinstance
+
+    return [(name, sub) for name, sub in module.named_modules() if is_unit(sub)]
+
+
+class BlockSharding:
+    """FSDP2 over ``mesh`` (the stage's replicas, a 1-D DeviceMesh): the blocks passed to :meth:`shard`, and the units
+    the module applied itself in ``configure_model`` (:meth:`adopt`)."""
+
+    def __init__(self, mesh: Any, shard_blocks: bool = True) -> None:
         self.mesh = mesh
-        self.blocks: list[nn.Module] = []
+        self.shard_blocks = shard_blocks  # whether blocks the module did not shard itself are sharded
+        self.blocks: list[nn.Module] = []  # the units reduced at the optimizer step: none inside another
 
     @classmethod
-    def over(cls, job_mesh: Any) -> BlockSharding | None:
-        """Sharding over the ``"data_parallel"`` dimension of the job's mesh; None where it has one rank (or there is
-        no mesh): nothing to shard over."""
-        if job_mesh is None or job_mesh["data_parallel"].size() == 1:
+    def over(cls, job_mesh: Any, shard_blocks: bool, module: nn.Module) -> BlockSharding | None:
+        """Sharding over the ``"data_parallel"`` dimension of the job's mesh: of the blocks (``shard_blocks``, with
+        more than one replica) and of the units ``module`` applied itself; None where there is neither (or no
+        mesh)."""
+        if job_mesh is None:
             return None
-        return cls(job_mesh["data_parallel"])
+        shard_blocks = shard_blocks and job_mesh["data_parallel"].size() > 1
+        if not shard_blocks and not fsdp_units(module):
+            return None
+        return cls(job_mesh["data_parallel"], shard_blocks)
 
     def shard(self, block: nn.Module, last: Callable[[Any], bool]) -> None:
         """Make ``block`` an FSDP2 unit whose backwards only accumulate (see :meth:`reduce_grads`). Its forward hooks
@@ -56,11 +72,32 @@ class BlockSharding:
         from torch.distributed.fsdp import fully_shard
 
         fully_shard(block, mesh=self.mesh)
-        _compat.move_forward_hooks_last(block, last)
+        self.adopt(block, last)
+
+    def adopt_units(self, module: nn.Module, last: Callable[[Any], bool], within: str | None = None,
+                    outside: str | None = None) -> bool:
+        """:meth:`adopt` the FSDP2 units ``module`` applied itself in its submodule ``within``, or outside its
+        submodule ``outside``; whether there were any."""
+        units = fsdp_units(module)
+
+        def inside(name: str, part: str) -> bool:
+            return part == "" or name == part or name.startswith(part + ".")
+
+        chosen = [(name, unit) for name, unit in units
+                  if (within is None or inside(name, within)) and (outside is None or not inside(name, outside))]
+        for name, unit in chosen:
+            self.adopt(unit, last, outermost=not any(inside(name, other) for other, _ in units if other != name))
+        return bool(chosen)
+
+    def adopt(self, unit: nn.Module, last: Callable[[Any], bool], outermost: bool = True) -> None:
+        """Run the FSDP2 unit ``unit`` as :meth:`shard` runs its own (``outermost``: not inside another unit, so that
+        :meth:`reduce_grads` reduces it)."""
+        _compat.move_forward_hooks_last(unit, last)
         # a weight unused on one replica (data-dependent routing) still takes part in the reduce-scatter, with zeros
-        block.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
-        self._accumulate_only(block)
-        self.blocks.append(block)
+        unit.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
+        self._accumulate_only(unit)
+        if outermost:
+            self.blocks.append(unit)
 
     @staticmethod
     def _accumulate_only(block: Any) -> None:
@@ -105,31 +142,30 @@ def shard_like(value: Tensor, like: Any) -> Tensor:
 
 
 def refuse_user_sharding(module: nn.Module, tensor_parallel_size: int) -> None:
-    """Before any collective (every rank ran the same ``configure_model``): FSDP applied by the module itself, DTensor
-    parameters on any mesh but the job's ``"tensor_parallel"`` dimension, and ``tensor_parallel_size > 1`` with no
-    tensor-parallel plan applied are our error."""
-    from torch.distributed.fsdp import FSDPModule, FullyShardedDataParallel
+    """Before any collective (every rank ran the same ``configure_model``): sharding the pipeline cannot run is our
+    error. FSDP2 units and DTensor parameters must be on the job's mesh (``"data_parallel"``,
+    ``"tensor_parallel"``, or both); FSDP1 is refused; ``tensor_parallel_size > 1`` needs a tensor-parallel plan."""
+    from torch.distributed.fsdp import FullyShardedDataParallel
 
     for name, sub in module.named_modules():
-        if isinstance(sub, (FSDPModule, FullyShardedDataParallel)):
-            kind = "FSDP1 (FullyShardedDataParallel)" if isinstance(sub, FullyShardedDataParallel) else "FSDP2"
+        if isinstance(sub, FullyShardedDataParallel):
             raise PipelineConfigError(
-                f"`{name or type(module).__name__}` is already sharded with {kind} (in configure_model or before "
-                f"fit). PipelineParallelStrategy shards each stage's blocks itself: remove the fully_shard/FSDP call "
-                f"and pass PipelineParallelStrategy(data_parallel='fsdp', pipeline_parallel_size=...).")
-    distributed = [(name, p) for name, p in module.named_parameters() if isinstance(p, DTensor)]
-    other = [f"{name} (mesh {p.device_mesh.mesh_dim_names})" for name, p in distributed
-             if p.device_mesh.mesh_dim_names != ("tensor_parallel",)]
+                f"`{name or type(module).__name__}` is wrapped in FSDP1 (FullyShardedDataParallel). Shard with FSDP2 "
+                f"(fully_shard(..., mesh=self.device_mesh['data_parallel'])) in configure_model, or pass "
+                f"PipelineParallelStrategy(data_parallel='fsdp'), which shards each stage's blocks itself.")
+    meshes = {name: p.device_mesh.mesh_dim_names for name, p in module.named_parameters() if isinstance(p, DTensor)}
+    other = [f"{name} (mesh {dims})" for name, dims in meshes.items()
+             if dims not in (("data_parallel",), ("tensor_parallel",), ("data_parallel", "tensor_parallel"))]
     if other:
         raise PipelineConfigError(
-            f"Parameters {other[:3]} are DTensors on a mesh other than the strategy's tensor-parallel one. Apply "
-            f"tensor parallelism in configure_model with parallelize_module(block, self.device_mesh["
-            f"'tensor_parallel'], plan), and leave sharding over the replicas to "
-            f"PipelineParallelStrategy(data_parallel='fsdp').")
-    if tensor_parallel_size > 1 and not distributed:
+            f"Parameters {other[:3]} are DTensors on a mesh other than the strategy's. In configure_model, apply "
+            f"tensor parallelism with parallelize_module(block, self.device_mesh['tensor_parallel'], plan) and FSDP2 "
+            f"with fully_shard(module, mesh=self.device_mesh['data_parallel']) (or let "
+            f"PipelineParallelStrategy(data_parallel='fsdp') shard the blocks).")
+    if tensor_parallel_size > 1 and not any("tensor_parallel" in (dims or ()) for dims in meshes.values()):
         raise PipelineConfigError(
-            f"tensor_parallel_size={tensor_parallel_size}, but the module applies no tensor-parallel plan: every "
-            f"parameter is a plain tensor, so each of the {tensor_parallel_size} tensor-parallel ranks would compute "
+            f"tensor_parallel_size={tensor_parallel_size}, but the module applies no tensor-parallel plan: no "
+            f"parameter is split over the tensor-parallel ranks, so each of the {tensor_parallel_size} would compute "
             f"its stage whole. In configure_model, call parallelize_module(block, self.device_mesh['tensor_parallel'], "
             f"plan) for each block (as for Lightning's ModelParallelStrategy), or use tensor_parallel_size=1.")
 

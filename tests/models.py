@@ -10,6 +10,7 @@ import torch
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import nn
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import Metric
 
@@ -836,37 +837,40 @@ MODELS["skips_across_stages"] = SkipsAcrossStages
 class FeedForward(nn.Module):
     """A transformer's MLP block with its residual: the shape a tensor-parallel plan splits (column, then row)."""
 
-    def __init__(self, dim: int, hidden: int) -> None:
+    def __init__(self, dim: int, hidden: int, residual: bool = True) -> None:
         super().__init__()
         self.up = nn.Linear(dim, hidden)
         self.down = nn.Linear(hidden, dim)
+        self.residual = residual
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.tanh(self.up(x)))
+        out = self.down(torch.tanh(self.up(x)))
+        return x + out if self.residual else out
 
 
 class TensorParallelMLP(L.LightningModule):
-    """Blocks parallelized in ``configure_model`` as for Lightning's ``ModelParallelStrategy`` (each block's ``up``
-    column-wise, ``down`` row-wise over ``device_mesh["tensor_parallel"]``); SGD, so parameters compare element-wise.
-    Under ``ModelParallelStrategy`` with data-parallel ranks it also applies FSDP2 over ``"data_parallel"``, which that
-    strategy needs for its replicas to average gradients (a pipeline averages them itself)."""
+    """A module written for Lightning's ``ModelParallelStrategy``: ``configure_model`` parallelizes each block (``up``
+    column-wise, ``down`` row-wise over ``device_mesh["tensor_parallel"]``) and, with data-parallel ranks, applies
+    FSDP2 over ``"data_parallel"`` to each module its step calls. SGD, so parameters compare element-wise."""
+
+    applies_fsdp = True
 
     def __init__(self, in_features: int = 10, dim: int = 16, classes: int = 5) -> None:
         super().__init__()
         self.inp = nn.Linear(in_features, dim)
         self.blocks = nn.ModuleList(FeedForward(dim, 2 * dim) for _ in range(4))
         self.head = nn.Linear(dim, classes)
+        self.plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
 
     def configure_model(self) -> None:
-        from lightning.pytorch.strategies import ModelParallelStrategy
-        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+        from torch.distributed.tensor.parallel import parallelize_module
 
         mesh = self.device_mesh
         if mesh is None:  # one device
             return
         for block in self.blocks:
-            parallelize_module(block, mesh["tensor_parallel"], {"up": ColwiseParallel(), "down": RowwiseParallel()})
-        if isinstance(self.trainer.strategy, ModelParallelStrategy) and mesh["data_parallel"].size() > 1:
+            parallelize_module(block, mesh["tensor_parallel"], self.plan)
+        if self.applies_fsdp and mesh["data_parallel"].size() > 1:
             from torch.distributed.fsdp import fully_shard
 
             for module in (self.inp, *self.blocks, self.head):  # each is called by the step itself
@@ -885,4 +889,64 @@ class TensorParallelMLP(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)
 
 
+class TensorParallelPlanOnly(TensorParallelMLP):
+    """Applies its tensor-parallel plan and no FSDP: sharding over the replicas is the strategy's."""
+
+    applies_fsdp = False
+
+
+class _Net(nn.Module):
+    def __init__(self, in_features: int = 10, dim: int = 16, classes: int = 5) -> None:
+        super().__init__()
+        self.inp = nn.Linear(in_features, dim)
+        self.blocks = nn.ModuleList(FeedForward(dim, 2 * dim) for _ in range(4))
+        self.head = nn.Linear(dim, classes)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        hidden = self.inp(x)
+        for block in self.blocks:
+            hidden = block(hidden)
+        return self.head(hidden)
+
+
+class FullyShardsItsModel(TensorParallelMLP):
+    """Lightning's documented pattern: FSDP2 on each block, then on the whole network (the root unit holds what is
+    outside the blocks); the step calls the network."""
+
+    def __init__(self) -> None:
+        L.LightningModule.__init__(self)
+        self.model = _Net()
+        self.plan = {"up": ColwiseParallel(), "down": RowwiseParallel()}
+
+    def configure_model(self) -> None:
+        from torch.distributed.fsdp import fully_shard
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        mesh = self.device_mesh
+        if mesh is None:
+            return
+        for block in self.model.blocks:
+            parallelize_module(block, mesh["tensor_parallel"], self.plan)
+            fully_shard(block, mesh=mesh["data_parallel"])
+        fully_shard(self.model, mesh=mesh["data_parallel"])
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.model(x), y)
+        self.log("train_loss", loss)
+        return loss
+
+
+class HandsOnDTensors(TensorParallelMLP):
+    """Its blocks return DTensors (no residual; ``down``'s output kept distributed): refused at the stage boundary."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.blocks = nn.ModuleList(FeedForward(16, 32, residual=False) for _ in range(4))
+        self.plan = {"up": ColwiseParallel(), "down": RowwiseParallel(use_local_output=False)}
+
+
 MODELS["tp_mlp"] = TensorParallelMLP
+MODELS["tp_mlp_plan_only"] = TensorParallelPlanOnly
+MODELS["tp_fully_shards_its_model"] = FullyShardsItsModel
+MODELS["hands_on_dtensors"] = HandsOnDTensors

@@ -84,14 +84,18 @@ def job8(checkpoints: Path) -> list[RankResult]:
 def job4(checkpoints: Path, job8: list[RankResult]) -> list[RankResult]:
     """4 processes, 2 stages x 2 tensor-parallel ranks: 1f1b saving a full checkpoint, zb_h1, interleaved 1F1B,
     clipping by the global norm; the 8-process job's sharded checkpoint resumed here (no step left: its weights);
-    and tensor_parallel_size with a module that applies no plan."""
+    tensor_parallel_size with a module that applies no plan; blocks that hand on DTensors; the sharded checkpoint
+    resumed at 2 stages x 2 replicas without tensor parallelism."""
     runs = [pipelined(trainer=OWN_LOADER, save_to=str(checkpoints / "full.ckpt")),
             pipelined("zb_h1", trainer=OWN_LOADER),
             pipelined("interleaved_1f1b", trainer=OWN_LOADER, stages_per_rank=2),
             pipelined(trainer={**OWN_LOADER, **CLIPPED}),
             pipelined(trainer=OWN_LOADER, ckpt_path=str(checkpoints / "sharded")),
             {"scenario": "expect_error", "kwargs": {"model": "mlp_sgd", "pipeline_parallel_size": STAGES,
-                                                    "tensor_parallel_size": TP}}]
+                                                    "tensor_parallel_size": TP}},
+            {"scenario": "expect_error", "kwargs": {"model": "hands_on_dtensors", "pipeline_parallel_size": STAGES,
+                                                    "tensor_parallel_size": TP}},
+            pipelined(ckpt_path=str(checkpoints / "sharded"), tensor_parallel_size=1)]
     return launch(STAGES * TP, runs, timeout=240)
 
 
@@ -154,15 +158,16 @@ def test_meta_build_materializes_each_shard_as_one_device_would(job8: list[RankR
 def test_checkpoints_of_tensor_parallel_stages(checkpoints: Path, job8: list[RankResult],
                                                 job4: list[RankResult]) -> None:
     """The full checkpoint (pp2 x tp2) loads in plain Lightning; the sharded one (pp2 x dp2 x tp2 with fsdp) resumes
-    at pp2 x tp2 with its weights."""
+    with its weights at pp2 x tp2 (another D) and at pp2 x dp2 (another T)."""
     full, _ = assemble(ok(job4, 0), 0)
     loaded = TensorParallelMLP.load_from_checkpoint(checkpoints / "full.ckpt", weights_only=True)
     for name, value in loaded.state_dict().items():
         torch.testing.assert_close(value, full[name], rtol=0, atol=0, msg=name)
     saved, _ = assemble(ok(job8, 1), 1)
-    resumed, _ = assemble(ok(job4, 4), 4)
-    for name, value in saved.items():
-        torch.testing.assert_close(resumed[name], value, rtol=0, atol=0, msg=name)
+    for index in (4, 7):
+        resumed, _ = assemble(ok(job4, index), index)
+        for name, value in saved.items():
+            torch.testing.assert_close(resumed[name], value, rtol=0, atol=0, msg=f"run {index}: {name}")
 
 
 @pytest.mark.multiprocess
@@ -172,3 +177,13 @@ def test_tensor_parallel_size_without_a_plan_is_refused_on_every_rank(job4: list
         error = rank.results[5]
         assert error["type"] == "PipelineConfigError", error
         assert "tensor_parallel_size=2, but the module applies no tensor-parallel plan" in error["message"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_blocks_handing_on_dtensors_are_refused(job4: list[RankResult]) -> None:
+    errors = [rank.results[6] for rank in ok(job4, 6)]
+    assert all(error["type"] != "none" for error in errors), errors  # every rank ends
+    for error in errors[:TP]:  # the first stage's ranks, where the DTensor is handed on
+        assert error["type"] == "PipelineConfigError", error
+        assert "A block handed the next block a DTensor" in error["message"], error

@@ -168,12 +168,14 @@ def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout
         print(f"lightning_pp: {layout}")
     made: list[str] = []
     if sharding is not None:
-        made += _shard_blocks(module, partition, sharding, groups, device)
+        made += _shard(module, partition, sharding, groups, device)
         earlier.sharding = sharding
     if has_meta_tensors(module):  # alike on every rank: the module was built alike
         for name, _ in partition.view.named_local_blocks():  # block by block: a tensor-parallel one is made whole
             made += materialize(module, device, part=name)
         made += materialize(module, device)
+    if sharding is not None and fresh:
+        sharding.adopt_units(module, _pipeline_hooks_last, outside=partition.view.container_name)
     # each tensor-parallel shard's values come from the rank holding the same shard: `shard_peers`, `replica_root`
     tp = layout.tensor_parallel_rank_of(rank)
     placement = earlier.placement
@@ -184,13 +186,20 @@ def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout
     shared, shared_buffers = partition.shared_tensors(module)
     if layout.world_size > layout.tensor_parallel and fresh:
         # later runs: the placement's restore above brought each weight back from a rank that held it; a head's
-        # buffers stay current where it ran
-        broadcast_tensors([*shared, *shared_buffers], tp, groups.shard_peers, device)
+        # buffers stay current where it ran. Weights sharded over the replicas (by the module's own FSDP units) agree
+        # along each lane.
+        whole = [t for t in (*shared, *shared_buffers) if not sharded_over_replicas(t)]
+        broadcast_tensors(whole, tp, groups.shard_peers, device)
+        if layout.num_stages > 1:
+            sharded = [t for t in (*shared, *shared_buffers) if sharded_over_replicas(t)]
+            broadcast_tensors(sharded, layout.rank(0, layout.lane_of(rank)), groups.pipeline, device)
     if layout.num_replicas > 1:
         everywhere = {id(t) for t in (*shared, *shared_buffers)}
-        own = [t for t in (*module.parameters(), *module.buffers())  # sharded ones started alike (_shard_blocks)
+        own = [t for t in (*module.parameters(), *module.buffers())  # sharded ones started alike (_shard)
                if id(t) not in everywhere and not sharded_over_replicas(t)]
         broadcast_tensors(own, groups.replica_root, groups.replicas, device)
+    # weights outside the blocks sharded over the replicas stay on every stage: their units hold them
+    place_where_used = place_where_used and not any(sharded_over_replicas(p) for p in shared)
     if place_where_used and placement is None:
         placement = earlier.placement = WeightPlacement(module, shared, stage, layout.num_stages)
     partition.view.pass_context = placement.reads if placement is not None else contextlib.nullcontext
@@ -198,20 +207,28 @@ def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout
                          place_where_used, earlier.sharding, made)
 
 
-def _shard_blocks(module: nn.Module, partition: Partition, sharding: BlockSharding, groups: StageGroups,
-                  device: torch.device) -> list[str]:
-    """Shard this rank's blocks over the stage's replicas, one at a time: materialize it (a meta build), give it replica
-    0's values (as DDP starts), shard it. Returns the names of the tensors materialized."""
+def _shard(module: nn.Module, partition: Partition, sharding: BlockSharding, groups: StageGroups,
+           device: torch.device) -> list[str]:
+    """This rank's blocks, one at a time: materialize it (a meta build); run the FSDP2 units the module applied in it
+    itself, or (``sharding.shard_blocks``) give it replica 0's values (as DDP starts) and shard it. Returns the names
+    of the tensors materialized."""
     made: list[str] = []
     for name, block in partition.view.named_local_blocks():
         if has_meta_tensors(block):
             made += materialize(module, device, part=name)
         block.to(device)
-        with torch.no_grad():  # in place, tensor by tensor: no flat copy of the block beside it
-            for tensor in (*block.parameters(), *block.buffers()):
-                dist.broadcast(local(tensor), groups.replica_root, group=groups.replicas)
-        sharding.shard(block, last=lambda hook: not not_ours(hook))
+        if sharding.adopt_units(module, _pipeline_hooks_last, within=name):
+            continue
+        if sharding.shard_blocks:
+            with torch.no_grad():  # in place, tensor by tensor: no flat copy of the block beside it
+                for tensor in (*block.parameters(), *block.buffers()):
+                    dist.broadcast(local(tensor), groups.replica_root, group=groups.replicas)
+            sharding.shard(block, last=_pipeline_hooks_last)
     return made
+
+
+def _pipeline_hooks_last(hook: Any) -> bool:
+    return not not_ours(hook)  # the pipeline's hooks (the end of a stage stops the step) run after FSDP's
 
 
 def check_initialized(assembly: StageAssembly, module: nn.Module, layout: PipelineLayout, rank: int,

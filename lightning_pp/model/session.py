@@ -32,7 +32,6 @@ from lightning_pp.model.results import outputs_read
 from lightning_pp.model.step import StepDriver
 from lightning_pp.options import PipelineOptions
 from lightning_pp.p2p import StageP2P, connect_stages
-from lightning_pp.sharding import sharded_over_replicas
 from lightning_pp.summary import summarize_whole_model
 from lightning_pp.telemetry import PipelineTelemetry
 from lightning_pp.topology import PipelineLayout
@@ -166,7 +165,7 @@ class StageSession:
             with collective("the blocks' gradient reduce-scatter over the replicas (FSDP2)"):
                 assembly.sharding.reduce_grads()
         with collective("the gradient all-reduce (replicas' average, weights several stages hold)"):
-            params = [p for p in self.module.parameters() if p.requires_grad and not sharded_over_replicas(p)]
+            params = [p for p in self.module.parameters() if p.requires_grad]
             sync_ms = assembly.grads.synchronize(params, timed)
         self.telemetry.last_grad_sync_bytes = assembly.grads.last_bytes
         if timed:  # for PipelineMonitor

@@ -125,12 +125,13 @@ class _StandIn(nn.Module):
     copy (its submodules and settings, its weights as unregistered meta tensors); ``None`` for a block that cannot be
     copied. The twin's submodules are the stand-in's own, so that a model installing hooks on its blocks' submodules
     installs them here too (see :mod:`lightning_pp.model.sides`); for the same reason ``isinstance`` sees the
-    block's class, and the stand-in of a block this rank holds shares that block's hooks."""
+    block's class (the model's own: not the class FSDP2 made of it, so that FSDP does not take the stand-in for one of
+    its units), and the stand-in of a block this rank holds shares that block's hooks."""
 
     def __init__(self, block: nn.Module, index: int, owner: int, view: StageView, twin: nn.Module | None) -> None:
         super().__init__()
         self.__dict__["_pipeline"] = (view, index, owner, type(block).__name__, None)
-        self.__dict__["_block_class"] = type(block)
+        self.__dict__["_block_class"] = _compat.unsharded_class(type(block))
         for name, child in twin.named_children() if twin is not None else []:
             self.add_module(name, child)
         if twin is block:
