@@ -31,13 +31,6 @@ def flatten(obj: Any) -> tuple[list[torch.Tensor], Spec]:
     tensors: list[torch.Tensor] = []
 
     def walk(value: Any) -> Spec:
-        if isinstance(value, DTensor):
-            raise PipelineConfigError(
-                f"A block handed the next block a DTensor ({value.placements} on mesh "
-                f"{value.device_mesh.mesh_dim_names}), which cannot cross pipeline stages: each tensor-parallel rank "
-                f"hands its own part to the same rank of the next stage. Let the plan's last layer of each block "
-                f"return a plain tensor (use_local_output=True, the default of ColwiseParallel, RowwiseParallel and "
-                f"SequenceParallel).")
         if isinstance(value, torch.Tensor) and value.is_nested:
             return walk_nested(value)
         if isinstance(value, torch.Tensor):
@@ -130,12 +123,24 @@ def packed_size(layout: Layout, start: int = 0) -> int:
 def pack(tensors: list[torch.Tensor], device: torch.device, start: int = 0, size: int = 0) -> torch.Tensor:
     """A byte buffer on ``device`` (of at least ``size`` bytes) holding ``tensors`` from byte ``start`` on; the bytes
     before ``start`` are left for the caller."""
+    for value in tensors:
+        _refuse_dtensor(value)
     offsets, end = _offsets([(t.dtype, list(t.shape)) for t in tensors], start)
     buffer = torch.empty(max(end, size), dtype=torch.uint8, device=device)
     for tensor, offset in zip(tensors, offsets, strict=True):
         flat = tensor.reshape(-1).view(torch.uint8)
         buffer[offset:offset + flat.numel()].copy_(flat)
     return buffer
+
+
+def _refuse_dtensor(value: torch.Tensor) -> None:
+    if isinstance(value, DTensor):
+        raise PipelineConfigError(
+            f"A block handed the next block a DTensor ({value.placements} on mesh "
+            f"{value.device_mesh.mesh_dim_names}), which cannot cross pipeline stages: each tensor-parallel rank "
+            f"hands its own part to the same rank of the next stage. Let the plan's last layer of each block "
+            f"return a plain tensor (use_local_output=True, the default of ColwiseParallel, RowwiseParallel and "
+            f"SequenceParallel).")
 
 
 def unpack(buffer: torch.Tensor, layout: Layout, start: int = 0) -> list[torch.Tensor]:

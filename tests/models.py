@@ -950,3 +950,17 @@ MODELS["tp_mlp"] = TensorParallelMLP
 MODELS["tp_mlp_plan_only"] = TensorParallelPlanOnly
 MODELS["tp_fully_shards_its_model"] = FullyShardsItsModel
 MODELS["hands_on_dtensors"] = HandsOnDTensors
+
+
+def _materialized(build: Callable[[], L.LightningModule]) -> L.LightningModule:
+    """``build()`` on the meta device, materialized on the CPU as a pipeline stage materializes a meta build (the
+    same values: the reference for meta builds under other strategies)."""
+    from lightning_pp.model.materialize import materialize
+
+    with torch.device("meta"):
+        module = build()
+    materialize(module, torch.device("cpu"))
+    return module
+
+
+MODELS["tp_mlp_materialized"] = lambda: _materialized(TensorParallelMLP)

@@ -1,12 +1,14 @@
 """Multi-process tier: pipeline x tensor parallelism (x data parallelism) equals Lightning's ``ModelParallelStrategy``
 running the same ``configure_model`` (fp32, tight).
 
-``models.TensorParallelMLP`` parallelizes each block in ``configure_model`` (``up`` column-wise, ``down`` row-wise
-over ``self.device_mesh["tensor_parallel"]``), as a module written for ``ModelParallelStrategy`` does; with
-data-parallel ranks under that strategy it also applies FSDP2 to each module its step calls, which that strategy
-needs for its replicas to average gradients. Its weights outside the blocks stay plain tensors, so torch's
-``clip_grad_norm_`` under ``ModelParallelStrategy`` (which cannot mix meshes) is not the reference for clipping: one
-device is, and one device equals ``ModelParallelStrategy(1, 2)`` (both checked below).
+``models.TensorParallelMLP`` is a module written for ``ModelParallelStrategy``: ``configure_model`` parallelizes each
+block (``up`` column-wise, ``down`` row-wise over ``self.device_mesh["tensor_parallel"]``) and, with data-parallel
+ranks, applies FSDP2 over ``"data_parallel"`` to each module its step calls; ``FullyShardsItsModel`` follows
+Lightning's documented pattern instead (FSDP2 on each block, then on the whole network, which the step calls);
+``TensorParallelPlanOnly`` applies the plan alone, leaving the replicas to ``data_parallel``. Their weights outside
+the blocks stay plain tensors without FSDP, so torch's ``clip_grad_norm_`` under ``ModelParallelStrategy`` (which
+cannot mix meshes) is not the reference for clipping: one device is, and one device equals
+``ModelParallelStrategy(1, 2)`` (both checked below).
 
 Jobs (module-scoped, shared by the tests): the references on 2 and 4 processes, 2 stages x 2 tensor-parallel ranks on
 4, and 2 stages x 2 replicas x 2 tensor-parallel ranks on 8 (the one 8-process job of the suite).
@@ -32,15 +34,16 @@ CLIPPED = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm"}
 OWN_LOADER = {"use_distributed_sampler": False}
 
 
-def pipelined(schedule: str = "1f1b", trainer: dict[str, Any] | None = None, **strategy: Any) -> dict[str, Any]:
-    return {"scenario": "train", "kwargs": {"model": "tp_mlp", "schedule": schedule, "microbatches": 2,
+def pipelined(schedule: str = "1f1b", trainer: dict[str, Any] | None = None, model: str = "tp_mlp",
+              **strategy: Any) -> dict[str, Any]:
+    return {"scenario": "train", "kwargs": {"model": model, "schedule": schedule, "microbatches": 2,
                                             "pipeline_parallel_size": STAGES, "tensor_parallel_size": TP,
                                             "trainer": trainer or {}, **strategy}}
 
 
-def model_parallel(data_parallel_size: int, trainer: dict[str, Any]) -> dict[str, Any]:
+def model_parallel(data_parallel_size: int, trainer: dict[str, Any], model: str = "tp_mlp") -> dict[str, Any]:
     return {"scenario": "train_model_parallel", "kwargs": {
-        "model": "tp_mlp", "data_parallel_size": data_parallel_size, "tensor_parallel_size": TP, "trainer": trainer}}
+        "model": model, "data_parallel_size": data_parallel_size, "tensor_parallel_size": TP, "trainer": trainer}}
 
 
 def ok(ranks: list[RankResult], index: int) -> list[RankResult]:
@@ -64,19 +67,26 @@ def checkpoints(tmp_path_factory: pytest.TempPathFactory) -> Path:
 
 @pytest.fixture(scope="module")
 def references() -> dict[str, list[RankResult]]:
-    """Lightning's ModelParallelStrategy: 1 x 2 on 2 processes, 2 x 2 (FSDP2 over the replicas) on 4."""
+    """Lightning's ModelParallelStrategy: 1 x 2 on 2 processes; 2 x 2 (the modules' FSDP2 over the replicas) on 4, for
+    `TensorParallelMLP`, `FullyShardsItsModel` and `TensorParallelMLP` materialized as a meta build is."""
     return {"tp": launch(2, [model_parallel(1, OWN_LOADER)], timeout=150),
-            "dp_tp": launch(4, [model_parallel(2, ACCUMULATED)], timeout=200)}
+            "dp_tp": launch(4, [model_parallel(2, ACCUMULATED, model) for model in
+                                ("tp_mlp", "tp_fully_shards_its_model", "tp_mlp_materialized")], timeout=200)}
 
 
 @pytest.fixture(scope="module")
 def job8(checkpoints: Path) -> list[RankResult]:
-    """8 processes, 2 stages x 2 replicas x 2 tensor-parallel ranks: ddp; fsdp (2-D: FSDP2 over the replicas of
-    tensor-parallel blocks), saving a sharded checkpoint; a meta build with fsdp, not trained (its initial values)."""
-    runs = [pipelined(trainer=ACCUMULATED),
-            pipelined(trainer=ACCUMULATED, data_parallel="fsdp", save_to=str(checkpoints / "sharded"),
-                      checkpoint_format="sharded"),
-            pipelined(trainer={"meta": True}, data_parallel="fsdp", max_steps=0)]
+    """8 processes, 2 stages x 2 replicas x 2 tensor-parallel ranks: the plan alone with ddp, and with fsdp (2-D: FSDP2
+    over the replicas of tensor-parallel blocks) saving a sharded checkpoint; the modules that apply FSDP2 themselves,
+    built normally and (TensorParallelMLP) on the meta device; a meta build of the plan alone with fsdp, not trained
+    (its initial values)."""
+    runs = [pipelined(trainer=ACCUMULATED, model="tp_mlp_plan_only"),
+            pipelined(trainer=ACCUMULATED, model="tp_mlp_plan_only", data_parallel="fsdp",
+                      save_to=str(checkpoints / "sharded"), checkpoint_format="sharded"),
+            pipelined(trainer=ACCUMULATED),
+            pipelined(trainer=ACCUMULATED, model="tp_fully_shards_its_model"),
+            pipelined(trainer={"meta": True, **ACCUMULATED}),
+            pipelined(trainer={"meta": True}, model="tp_mlp_plan_only", data_parallel="fsdp", max_steps=0)]
     return launch(STAGES * REPLICAS * TP, runs, timeout=300)
 
 
@@ -127,14 +137,20 @@ def test_global_norm_clipping_counts_each_tensor_parallel_shard_once(job4: list[
 @pytest.mark.timeout(600)
 def test_pipeline_by_data_by_tensor_parallel_equals_model_parallel_strategy(
         references: dict[str, list[RankResult]], job8: list[RankResult]) -> None:
-    expected = reference_of(references["dp_tp"])
-    for index, (label, share) in enumerate([("pp2 x dp2 x tp2 ddp", TP), ("pp2 x dp2 x tp2 fsdp", TP * REPLICAS)]):
+    runs = [("plan alone, ddp", 0, TP), ("plan alone, fsdp", 0, TP * REPLICAS), ("the module's own FSDP2", 0, None),
+            ("Lightning's pattern: FSDP2 on blocks, then the network", 1, None),
+            ("the module's own FSDP2, built on the meta device", 2, None)]
+    for index, (label, reference, share) in enumerate(runs):
+        expected = reference_of(references["dp_tp"], reference)
         full, history = assemble(ok(job8, index), index)
-        assert_matches(full, history, expected, label)
+        assert_matches(full, history, expected, f"pp2 x dp2 x tp2, {label}")
+        prefix = "model." if reference == 1 else ""
         for global_rank, rank in enumerate(job8):  # a block weight: 1/T of it (ddp), 1/(D*T) (fsdp) on each rank
             numel = rank.results[index]["local_numel"]
-            block = 2 if global_rank >= 4 else 0
-            assert numel[f"blocks.{block}.up.weight"] == full[f"blocks.{block}.up.weight"].numel() // share, label
+            weight = f"{prefix}blocks.{2 if global_rank >= 4 else 0}.up.weight"
+            assert numel[weight] == full[weight].numel() // (share or TP * REPLICAS), label
+            if share is None:  # the module sharded its weights outside the blocks too: kept by every stage
+                assert numel[f"{prefix}inp.weight"] == full[f"{prefix}inp.weight"].numel() // REPLICAS, label
 
 
 @pytest.mark.multiprocess
@@ -145,12 +161,12 @@ def test_meta_build_materializes_each_shard_as_one_device_would(job8: list[RankR
     with torch.device("meta"):
         model = TensorParallelMLP()
     materialize(model, torch.device("cpu"))
-    full, _ = assemble(ok(job8, 2), 2)
+    full, _ = assemble(ok(job8, 5), 5)
     for name, value in model.state_dict().items():
         torch.testing.assert_close(full[name], value, rtol=0, atol=0, msg=name)
     for global_rank, rank in enumerate(job8):
         block = 2 if global_rank >= 4 else 0
-        assert rank.results[2]["local_numel"][f"blocks.{block}.up.weight"] == 32 * 16 // (REPLICAS * TP)
+        assert rank.results[5]["local_numel"][f"blocks.{block}.up.weight"] == 32 * 16 // (REPLICAS * TP)
 
 
 @pytest.mark.multiprocess
