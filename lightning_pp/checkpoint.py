@@ -26,6 +26,7 @@ __all__ = ["StageCheckpoints", "indexed_to_named", "load_named", "merge_named", 
 #  "state": {parameter name: per-parameter state}}
 NamedState = dict[str, Any]
 NAMES_KEY = "lightning_pp_param_names"  # stored beside "state" and "param_groups" in full checkpoints
+_MODEL, _OPTIMIZER = "state_dict", "optimizer_states"  # key prefixes in a sharded (distributed checkpoint) folder
 
 
 def _to_cpu(value: Any) -> Any:
@@ -36,14 +37,17 @@ def _to_cpu(value: Any) -> Any:
     return value
 
 
-def named_state(optimizer: Optimizer, name_of: Mapping[int, str]) -> NamedState:
-    """This optimizer's state with parameters named (``name_of`` maps ``id(param)`` to its name)."""
+def named_state(optimizer: Optimizer, name_of: Mapping[int, str], whole: bool = True) -> NamedState:
+    """This optimizer's state with parameters named (``name_of`` maps ``id(param)`` to its name); sharded tensors
+    gathered whole on the CPU (``whole``), or kept as they are."""
     indexed = optimizer.state_dict()
     names = [[name_of[id(p)] for p in group["params"]] for group in optimizer.param_groups]
+    if not whole:
+        return indexed_to_named(indexed, names, to_cpu=False)
     return indexed_to_named({**indexed, "state": full_tensors(indexed["state"])}, names)
 
 
-def indexed_to_named(indexed: Mapping[str, Any], names: Sequence[Sequence[str]]) -> NamedState:
+def indexed_to_named(indexed: Mapping[str, Any], names: Sequence[Sequence[str]], to_cpu: bool = True) -> NamedState:
     """torch's ``state_dict`` form to the named form, given the names of each group's parameters in order."""
     groups = indexed["param_groups"]
     if len(groups) != len(names) or any(len(g["params"]) != len(n) for g, n in zip(groups, names, strict=False)):
@@ -56,7 +60,7 @@ def indexed_to_named(indexed: Mapping[str, Any], names: Sequence[Sequence[str]])
     for group, group_names in zip(groups, names, strict=True):
         for index, name in zip(group["params"], group_names, strict=True):
             if index in state:
-                named[name] = _to_cpu(state[index])
+                named[name] = _to_cpu(state[index]) if to_cpu else dict(state[index])
     return {
         "groups": [{k: v for k, v in g.items() if k != "params"} for g in groups],
         "names": [list(n) for n in names],
@@ -172,12 +176,21 @@ class StageCheckpoints:
 
     def module_state(self, checkpoint_format: str) -> dict[str, Any]:
         """What a checkpoint of ``checkpoint_format`` holds of the module on this rank: the whole module's state on
-        global rank 0 (``"full"``, with several stages) or this rank's own."""
+        global rank 0 (``"full"``, with several stages), or what this rank writes of it (``"sharded"``)."""
         if checkpoint_format == "sharded":
-            return self.module.state_dict()  # unused: save_sharded writes own_state()
+            return self._written_state()
         if self.num_stages == 1:
             return full_tensors(self.module.state_dict())
         return self.full_state_dict()
+
+    def _written_state(self) -> dict[str, Any]:
+        """The entries :meth:`own_state` selects, as they are (a sharded tensor: this rank's shard of it)."""
+        view = self.partition.view
+        prefix = view.container_name + "."
+        last = view.num_stages - 1 in view.stages
+        elsewhere = self.not_on_last() if not last else set()
+        return {k: v.detach() for k, v in self.module.state_dict().items()
+                if k.startswith(prefix) or last or k in elsewhere}
 
     def full_state_dict(self) -> dict[str, Any]:
         """The whole module's state on global rank 0 (empty elsewhere), in the single-device key order."""
@@ -192,38 +205,67 @@ class StageCheckpoints:
     def optimizer_state(self, optimizer: Optimizer, full: bool) -> dict[str, Any]:
         """This stage's optimizer state by parameter name, or (``full``) the whole model's, re-keyed as one device
         numbers it, on global rank 0."""
-        named = named_state(getattr(optimizer, "_optimizer", optimizer), self._name_of())
+        named = named_state(getattr(optimizer, "_optimizer", optimizer), self._name_of(), whole=full)
         if not full:
             return named
         parts = self._gather_on_zero(named)
         return named_to_indexed(merge_named(parts, self.partition.full_param_order)) if parts else {}
 
     def save_sharded(self, checkpoint: dict[str, Any], folder: str) -> None:
+        """Write ``checkpoint`` (its module and optimizer states as :meth:`module_state` and :meth:`optimizer_state`
+        give them for ``"sharded"``) with torch's distributed checkpoint, every rank its own shards, nothing gathered:
+        tensors keyed by parameter name (one copy of each, whichever ranks hold it), the optimizers' hyper-parameters
+        and parameter names per stage; the rest of the checkpoint in ``checkpoint.pt`` from global rank 0."""
+        import torch.distributed.checkpoint as dcp
+
         os.makedirs(folder, exist_ok=True)
-        state = self.own_state()  # on every lane: sharded tensors are gathered
-        if self.lane == 0:  # one copy per stage
-            shard = {"state_dict": state, "optimizer_states": checkpoint.get("optimizer_states", [])}
-            torch.save(shard, os.path.join(folder, f"stage{self.stage}.pt"))
+        written: dict[str, Any] = {f"{_MODEL}.{k}": v for k, v in checkpoint["state_dict"].items()}
+        for i, named in enumerate(checkpoint.get("optimizer_states", [])):
+            # one object (a tuple is not flattened into keys): the same on every rank of the stage
+            written[f"{_OPTIMIZER}.{i}.stage{self.stage}"] = (named["groups"], named["names"])
+            for name, value in named["state"].items():
+                for key, tensor in value.items():
+                    written[f"{_OPTIMIZER}.{i}.state.{name}.{key}"] = tensor
+        dcp.save(written, checkpoint_id=folder, process_group=self.object_group())
         if self.rank == 0:
             meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
-            meta["lightning_pp"] = {"format": "sharded", "num_stages": self.num_stages}
+            meta["lightning_pp"] = {"format": "sharded", "num_stages": self.num_stages,
+                                    "optimizers": len(checkpoint.get("optimizer_states", []))}
             torch.save(meta, os.path.join(folder, "checkpoint.pt"))
 
-    def load_sharded(self, folder: str, weights_only: bool) -> dict[str, Any]:
-        """A sharded checkpoint as one checkpoint: this module's state entries, every stage's optimizer state merged."""
+    def load_sharded(self, folder: str, weights_only: bool, optimizers: Sequence[Any]) -> dict[str, Any]:
+        """A sharded checkpoint as one checkpoint, read straight into this rank's shards (any number of stages,
+        replicas and tensor-parallel ranks wrote it): its module entries, and each optimizer's state named, with
+        every stage's parameter names merged."""
+        import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+
         checkpoint = torch.load(os.path.join(folder, "checkpoint.pt"), map_location="cpu", weights_only=weights_only)
-        wanted = set(self.module.state_dict())
-        state: dict[str, torch.Tensor] = {}
-        optimizer_parts: list[list[Any]] = []
-        for stage in range(checkpoint["lightning_pp"]["num_stages"]):
-            shard = torch.load(os.path.join(folder, f"stage{stage}.pt"), map_location="cpu", weights_only=weights_only)
-            state.update({k: v for k, v in shard["state_dict"].items() if k in wanted})
-            optimizer_parts.append(shard["optimizer_states"])
-        checkpoint["state_dict"] = state
+        saved = checkpoint["lightning_pp"]
+        stored = FileSystemReader(folder).read_metadata().state_dict_metadata
+        module_state = {k: v for k, v in self.module.state_dict().items() if f"{_MODEL}.{k}" in stored}
+        target: dict[str, Any] = {f"{_MODEL}.{k}": v for k, v in module_state.items()}
+        params = dict(self.module.named_parameters())
+        states: list[dict[str, Any]] = []
+        for i in range(saved.get("optimizers", 0) if optimizers else 0):
+            state: dict[str, dict[str, Any]] = {}
+            for name, param in params.items():
+                for key in (k for k in stored if k.startswith(f"{_OPTIMIZER}.{i}.state.{name}.")):
+                    shape = tuple(stored[key].size)  # type: ignore[union-attr]
+                    value = torch.zeros_like(param) if shape == tuple(param.shape) else torch.zeros(
+                        shape, dtype=stored[key].properties.dtype)  # type: ignore[union-attr]
+                    state.setdefault(name, {})[key.rpartition(".")[2]] = target[key] = value
+            states.append(state)
+            for stage in range(saved["num_stages"]):
+                target[f"{_OPTIMIZER}.{i}.stage{stage}"] = None
+        dcp.load(target, checkpoint_id=folder, planner=DefaultLoadPlanner(allow_partial_load=True),
+                 process_group=self.object_group())
+        checkpoint["state_dict"] = module_state  # read in place
         order = self.partition.full_param_order
         checkpoint["optimizer_states"] = [
-            merge_named(list(parts), order) for parts in zip(*optimizer_parts, strict=True)
-        ]
+            {**merge_named([dict(zip(("groups", "names"), target[f"{_OPTIMIZER}.{i}.stage{stage}"], strict=True),
+                                 state={}) for stage in range(saved["num_stages"])], order), "state": state}
+            for i, state in enumerate(states)]
         return checkpoint
 
     def load_module_state(self, saved: Mapping[str, Any], strict: bool) -> None:

@@ -129,7 +129,9 @@ class PipelineOptions:
     ``"fsdp"``: each block is sharded over the replicas with torch's FSDP2 (``fully_shard``): a replica keeps 1/D of
     the blocks' weights, gradients and optimizer state, gathers a block's weights for its passes, and the gradients are
     reduce-scattered once per optimizer step (after the last micro-batch, honouring ``accumulate_grad_batches``). The
-    weights outside the blocks stay whole on the ranks that use them (``outside_weights``)."""
+    weights outside the blocks stay whole on the ranks that use them (``outside_weights``). FSDP2 units the module
+    applies itself in ``configure_model`` (``fully_shard(..., mesh=self.device_mesh["data_parallel"])``) are run the
+    same way whichever is chosen."""
     tensor_parallel_size: int = 1
     """Ranks each stage is split over by tensor parallelism (the world is pipeline x data-parallel x tensor-parallel;
     tensor-parallel ranks are neighbours). The module applies its own plan in ``configure_model``, as for Lightning's

@@ -462,7 +462,7 @@ class PipelineParallelStrategy(ParallelStrategy):
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         if not os.path.isdir(str(checkpoint_path)):
             return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        return self._checkpoints.load_sharded(str(checkpoint_path), bool(weights_only))
+        return self._checkpoints.load_sharded(str(checkpoint_path), bool(weights_only), self.optimizers)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:

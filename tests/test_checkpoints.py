@@ -46,8 +46,9 @@ def test_sharded_checkpoint_resumes_on_other_stage_counts(tmp_path: Path) -> Non
     four = str(tmp_path / "four_stages.ckpt")
     ranks = launch(4, [epochs_run(schedule="gpipe", microbatches=4, max_epochs=1, save_to=four,
                                   checkpoint_format="sharded", trainer={})], timeout=200)
+    # torch's distributed checkpoint: one file per rank (each stage writes its blocks), and the rest of the checkpoint
     assert sorted(p.name for p in Path(four).iterdir()) == [
-        "checkpoint.pt", "stage0.pt", "stage1.pt", "stage2.pt", "stage3.pt"]
+        ".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp", "checkpoint.pt"]
     ranks = launch(2, [epochs_run(schedule="1f1b", microbatches=2, max_epochs=2, ckpt_path=four,
                                   checkpoint_format="sharded", trainer={})], timeout=200)
     assert_params_close(assemble(ranks, 0)[0], uninterrupted, "4-stage sharded checkpoint resumed on 2 stages")

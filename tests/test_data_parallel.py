@@ -328,7 +328,8 @@ def test_fsdp2_trains_as_ddp_replicas_do_with_meta_build_fp16_value_clipping_and
 def test_checkpoints_equal_ddp_and_resume_at_other_replica_counts(ddp_job: Job, pipelined_job: Job,
                                                                   checkpoints: Path) -> None:
     """The full checkpoint of 2 replicas x 2 stages is what DDP saves (weights, optimizer state, progress) and loads
-    in plain Lightning; the sharded one holds one file per stage, not per rank. Each is resumed for one more epoch at
+    in plain Lightning; the sharded one is torch's distributed checkpoint (one file per writing rank, nothing
+    gathered). Each is resumed for one more epoch at
     another layout, against a reference that sees the same samples in the same order:
 
     - the full one on 1 replica x 2 stages, against one device resuming from the same file. With one replica the
@@ -353,7 +354,9 @@ def test_checkpoints_equal_ddp_and_resume_at_other_replica_counts(ddp_job: Job, 
     loaded = MLPClassifierSGD.load_from_checkpoint(full_path, weights_only=True)
     for name, value in loaded.state_dict().items():
         assert torch.equal(value, ours["state_dict"][name]), name
-    assert sorted(p.name for p in sharded.iterdir()) == ["checkpoint.pt"] + [f"stage{s}.pt" for s in range(STAGES)]
+    written = sorted(p.name for p in sharded.iterdir())
+    assert written[0] == ".metadata" and written[-1] == "checkpoint.pt", written
+    assert set(written[1:-1]) <= {f"__{rank}_0.distcp" for rank in range(REPLICAS * STAGES)}, written
 
     resume = [{"scenario": "train", "kwargs": {"model": "mlp_sgd", "max_steps": -1, "max_epochs": EPOCHS + 1,
                                                "schedule": "1f1b", "microbatches": 2, "ckpt_path": str(full_path)}},
