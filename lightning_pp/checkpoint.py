@@ -252,8 +252,8 @@ class StageCheckpoints:
             for name, param in params.items():
                 for key in (k for k in stored if k.startswith(f"{_OPTIMIZER}.{i}.state.{name}.")):
                     shape = tuple(stored[key].size)  # type: ignore[union-attr]
-                    value = torch.zeros_like(param) if shape == tuple(param.shape) else torch.zeros(
-                        shape, dtype=stored[key].properties.dtype)  # type: ignore[union-attr]
+                    value = torch.zeros_like(param) if shape == tuple(param.shape) else torch.zeros(  # a step count
+                        shape, dtype=stored[key].properties.dtype, device="cpu")  # type: ignore[union-attr]
                     state.setdefault(name, {})[key.rpartition(".")[2]] = target[key] = value
             states.append(state)
             for stage in range(saved["num_stages"]):
