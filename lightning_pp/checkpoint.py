@@ -249,12 +249,16 @@ class StageCheckpoints:
         states: list[dict[str, Any]] = []
         for i in range(saved.get("optimizers", 0) if optimizers else 0):
             state: dict[str, dict[str, Any]] = {}
-            for name, param in params.items():
-                for key in (k for k in stored if k.startswith(f"{_OPTIMIZER}.{i}.state.{name}.")):
-                    shape = tuple(stored[key].size)  # type: ignore[union-attr]
-                    value = torch.zeros_like(param) if shape == tuple(param.shape) else torch.zeros(  # a step count
-                        shape, dtype=stored[key].properties.dtype, device="cpu")  # type: ignore[union-attr]
-                    state.setdefault(name, {})[key.rpartition(".")[2]] = target[key] = value
+            prefix = f"{_OPTIMIZER}.{i}.state."
+            for stored_key in (k for k in stored if k.startswith(prefix)):
+                name, _, key = stored_key[len(prefix):].rpartition(".")
+                param = params.get(name)
+                if param is None:  # another stage's
+                    continue
+                shape = tuple(stored[stored_key].size)  # type: ignore[union-attr]
+                value = torch.zeros_like(param) if shape == tuple(param.shape) else torch.zeros(  # a step count
+                    shape, dtype=stored[stored_key].properties.dtype, device="cpu")  # type: ignore[union-attr]
+                state.setdefault(name, {})[key] = target[stored_key] = value
             states.append(state)
             for stage in range(saved["num_stages"]):
                 target[f"{_OPTIMIZER}.{i}.stage{stage}"] = None
