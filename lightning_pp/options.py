@@ -92,8 +92,9 @@ class PipelineOptions:
     (30 minutes), so slow imports or a large checkpoint write on one rank do not fail the job."""
     checkpoint_format: str = "full"
     """``"full"`` gathers the whole model and optimizer on global rank 0 into one file that plain single-device
-    Lightning loads; ``"sharded"`` writes a folder with one file per stage (nothing is gathered). Both resume on any
-    number of stages, as do single-device checkpoints."""
+    Lightning loads; ``"sharded"`` writes torch's distributed checkpoint, a folder where every rank writes the shards it
+    holds, keyed by parameter name (nothing is gathered). Both resume on any number of stages, replicas and
+    tensor-parallel ranks, as do single-device checkpoints."""
     process_group_backend: str | None = None
     """``"gloo"`` or ``"nccl"``; by default chosen from the device (gloo cannot carry transfers between GPUs)."""
     reuse_cpu_memory: bool = True
@@ -209,7 +210,7 @@ class PipelineOptions:
                f"of seconds or a datetime.timedelta, or None for Lightning's default (30 minutes).")
         check(self.checkpoint_format in ("full", "sharded"),
                f"checkpoint_format={self.checkpoint_format!r}; use 'full' (one file plain Lightning loads) or "
-               f"'sharded' (a folder with one file per stage, nothing gathered on one rank).")
+               f"'sharded' (torch's distributed checkpoint: each rank writes its shards, nothing gathered).")
         check(self.process_group_backend is None or self.process_group_backend in BACKENDS,
                f"process_group_backend={self.process_group_backend!r}; use 'gloo' (CPU) or 'nccl' (CUDA GPUs), or "
                f"None to choose from the device.")
