@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping
 from typing import Any
 
+import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, distribute_tensor
 
@@ -45,33 +46,44 @@ def fsdp_units(module: nn.Module) -> list[tuple[str, nn.Module]]:
     return [(name, sub) for name, sub in module.named_modules() if is_unit(sub)]
 
 
+def mixed_precision_policy(precision: str) -> Any:
+    """FSDP2's mixed-precision policy for Lightning's ``precision``: with ``"bf16-mixed"`` / ``"16-mixed"`` a unit
+    gathers its weights in that dtype for the passes (half the bytes of fp32) and reduce-scatters gradients in fp32,
+    as autocast computes from fp32 weights; None for the other precisions (fp32, or a module converted whole)."""
+    from torch.distributed.fsdp import MixedPrecisionPolicy
+
+    dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype is not None else None
+
+
 class BlockSharding:
     """FSDP2 over ``mesh`` (the stage's replicas, a 1-D DeviceMesh): the blocks passed to :meth:`shard`, and the units
     the module applied itself in ``configure_model`` (:meth:`adopt`)."""
 
-    def __init__(self, mesh: Any, shard_blocks: bool = True) -> None:
+    def __init__(self, mesh: Any, shard_blocks: bool = True, precision: str = "32-true") -> None:
         self.mesh = mesh
         self.shard_blocks = shard_blocks  # whether blocks the module did not shard itself are sharded
         self.blocks: list[nn.Module] = []  # the units reduced at the optimizer step: none inside another
+        self.mp_policy = mixed_precision_policy(precision)
 
     @classmethod
-    def over(cls, job_mesh: Any, shard_blocks: bool, module: nn.Module) -> BlockSharding | None:
+    def over(cls, job_mesh: Any, shard_blocks: bool, module: nn.Module, precision: str) -> BlockSharding | None:
         """Sharding over the ``"data_parallel"`` dimension of the job's mesh: of the blocks (``shard_blocks``, with
-        more than one replica) and of the units ``module`` applied itself; None where there is neither (or no
-        mesh)."""
+        more than one replica; Lightning's ``precision`` as FSDP2's mixed-precision policy) and of the units
+        ``module`` applied itself; None where there is neither (or no mesh)."""
         if job_mesh is None:
             return None
         shard_blocks = shard_blocks and job_mesh["data_parallel"].size() > 1
         if not shard_blocks and not fsdp_units(module):
             return None
-        return cls(job_mesh["data_parallel"], shard_blocks)
+        return cls(job_mesh["data_parallel"], shard_blocks, precision)
 
     def shard(self, block: nn.Module, last: Callable[[Any], bool]) -> None:
         """Make ``block`` an FSDP2 unit whose backwards only accumulate (see :meth:`reduce_grads`). Its forward hooks
         for which ``last(hook)`` holds (the pipeline's: the end of a stage stops the step) run after FSDP's."""
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(block, mesh=self.mesh)
+        fully_shard(block, mesh=self.mesh, **({"mp_policy": self.mp_policy} if self.mp_policy is not None else {}))
         self.adopt(block, last)
 
     def adopt_units(self, module: nn.Module, last: Callable[[Any], bool], within: str | None = None,

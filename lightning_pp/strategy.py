@@ -240,7 +240,8 @@ class PipelineParallelStrategy(ParallelStrategy):
             recompute_every=self.options.recompute_every,
             device=self.root_device, new_group=self._new_group, to_device=self._convert_and_move,
             place_where_used=fitting and self.num_stages > 1 and self.options.outside_weights == "where_used",
-            sharding=BlockSharding.over(self.device_mesh, self.options.data_parallel == "fsdp", module),
+            sharding=BlockSharding.over(self.device_mesh, self.options.data_parallel == "fsdp", module,
+                                        str(getattr(self.precision_plugin, "precision", "32-true"))),
             object_group=self.object_group)
         try:
             if fitting:

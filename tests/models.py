@@ -400,15 +400,17 @@ class BlocksShareAWeight(MLPClassifier):
         self.layers[2].weight = self.layers[0].weight
 
 
-class ShardsItsOwnBlocks(MLPClassifier):
-    """Applies FSDP2 to its blocks in ``configure_model`` as one would for Lightning's ``ModelParallelStrategy``."""
+class ShardsOverItsOwnMesh(MLPClassifier):
+    """Applies FSDP2 to its blocks in ``configure_model`` over a mesh of its own, not the strategy's."""
 
     def configure_model(self) -> None:
+        from torch.distributed.device_mesh import init_device_mesh
         from torch.distributed.fsdp import fully_shard
 
+        mesh = init_device_mesh("cpu", (self.trainer.world_size,), mesh_dim_names=("replicas",))
         for layer in self.layers:
             if isinstance(layer, nn.Linear):
-                fully_shard(layer, mesh=self.device_mesh["data_parallel"])
+                fully_shard(layer, mesh=mesh)
 
 
 def _example_gpt() -> Any:
@@ -445,7 +447,7 @@ MODELS: dict[str, Callable[[], L.LightningModule]] = {
     "parameterless_stage": ParameterlessStage,
     "gain_on_last_stage": GainOnLastStage,
     "wide": Wide,
-    "shards_its_own_blocks": ShardsItsOwnBlocks,
+    "shards_over_its_own_mesh": ShardsOverItsOwnMesh,
     "keeps_its_parameter_list": KeepsItsParameterList,
     "blocks_share_a_weight": BlocksShareAWeight,
     "frozen_front": FrozenFront,
@@ -736,6 +738,25 @@ class TiedClassifierSGD(L.LightningModule):
 MODELS["mlp_sgd"] = MLPClassifierSGD
 MODELS["example_input"] = WithExampleInput
 MODELS["tied_sgd"] = TiedClassifierSGD
+
+
+class WeightDtypeRecorder(L.Callback):
+    """The dtype each ``nn.Linear`` computes with: its weight's as its forward starts (FSDP2's mixed-precision policy
+    gathers it in the low precision; under autocast alone it stays fp32)."""
+
+    def __init__(self) -> None:
+        self.dtypes: dict[str, str] = {}
+
+    def setup(self, trainer: L.Trainer, pl_module: L.LightningModule, stage: str) -> None:
+        for name, sub in pl_module.named_modules():
+            if isinstance(sub, nn.Linear):
+                sub.register_forward_pre_hook(self._record(name))
+
+    def _record(self, name: str) -> Callable[..., None]:
+        def hook(module: nn.Module, args: Any) -> None:
+            self.dtypes[name] = str(module.weight.dtype)
+
+        return hook
 
 
 class BatchRecorder(L.Callback):

@@ -61,6 +61,12 @@ def _train(strategy: Any, model: str, max_steps: int, batch_size: int, trainer: 
 
         batches = BatchRecorder()
         extra["callbacks"] = [*extra.get("callbacks", []), batches]
+    dtypes = None
+    if extra.pop("record_weight_dtypes", False):
+        from models import WeightDtypeRecorder
+
+        dtypes = WeightDtypeRecorder()
+        extra["callbacks"] = [*extra.get("callbacks", []), dtypes]
     if fp16_scaler:
         from models import fp16_with_scaler
 
@@ -86,6 +92,7 @@ def _train(strategy: Any, model: str, max_steps: int, batch_size: int, trainer: 
             "grads": recorder.grads if recorder is not None else None,
             "batches": batches.batches if batches is not None else None,
             "batch_end_outputs": getattr(module, "batch_end_outputs", None),
+            "weight_dtypes": dtypes.dtypes if dtypes is not None else None,
             "global_rank": module.trainer.global_rank,
             "environment": type(getattr(used, "cluster_environment", None)).__name__,
             # the data-parallel layout as the strategy states it (None where it has no such attribute)

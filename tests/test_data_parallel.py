@@ -97,7 +97,8 @@ FIRST_FSDP_RUN = CLIPPED_RUN + 1
 # differently, fp16 with a gradient scaler and value clipping; a fit then validate (a later run on the module)
 PAIRED = {"model": "mlp_sgd", "schedule": "1f1b", "microbatches": 4, "pipeline_parallel_size": STAGES,
           "balance": [2, 6], "fp16_scaler": True, "seed_per_rank": True,
-          "trainer": {"meta": True, "gradient_clip_val": 0.05, "gradient_clip_algorithm": "value"}}
+          "trainer": {"meta": True, "gradient_clip_val": 0.05, "gradient_clip_algorithm": "value",
+                      "record_weight_dtypes": True}}
 FIRST_PAIRED_RUN = FIRST_FSDP_RUN + len(FSDP_RUNS)
 DDP_RUNS = {"mlp_sgd": 0, "tied_sgd": 1, "synced_metrics": 2, "clipped": 3}  # run -> index in the DDP job
 DDP_AGAIN, DDP_RESUMED = 4, 5  # mlp_sgd once more (determinism); resumed from its own checkpoint for one epoch
@@ -308,8 +309,10 @@ def test_fsdp2_trains_as_ddp_replicas_do_with_meta_build_fp16_value_clipping_and
     """The same pipeline with ``data_parallel="ddp"`` and ``"fsdp"``: built on the meta device and split unevenly
     ([2, 6] blocks: stages materialize and shard different numbers of blocks), each rank seeded differently (the
     blocks start from replica 0's values either way), fp16 with a gradient scaler (sharded and whole gradients unscaled
-    alike) and clipping by value: equal weights, loss and scale. Then ``trainer.validate`` after ``fit`` on the same
-    module (the shards are kept, the gathered weights freed at the end of each loop): equal results."""
+    alike) and clipping by value: equal weights, loss and scale. With fsdp, Lightning's fp16 is FSDP2's
+    mixed-precision policy (the blocks' weights gathered in fp16, gradients reduced in fp32), which computes as autocast
+    does on fp32 weights. Then ``trainer.validate`` after ``fit`` on the same module (the shards are kept, the gathered
+    weights freed at the end of each loop): equal results."""
     ranks = pipelined_job.get()
     (ddp_state, ddp_history), (fsdp_state, fsdp_history) = (assemble(ranks, FIRST_PAIRED_RUN + i) for i in (0, 1))
     for name, value in ddp_state.items():
@@ -319,6 +322,11 @@ def test_fsdp2_trains_as_ddp_replicas_do_with_meta_build_fp16_value_clipping_and
         assert_same_metrics(got, want, f"fsdp vs ddp step {step}", of="ddp's ")
     scales = {rank.results[FIRST_PAIRED_RUN + i]["scale"] for rank in ranks for i in (0, 1)}
     assert len(scales) == 1, scales
+    for rank in ranks:  # the blocks' Linear layers (the MLP's `layers`), as their forwards saw their weights
+        for i, dtype in ((0, "torch.float32"), (1, "torch.float16")):
+            recorded = rank.results[FIRST_PAIRED_RUN + i]["weight_dtypes"]
+            seen = {name: d for name, d in recorded.items() if name.startswith("layers.")}
+            assert seen and set(seen.values()) == {dtype}, (i, seen)
     validated = [[rank.results[FIRST_PAIRED_RUN + 2 + i]["validate"] for rank in ranks] for i in (0, 1)]
     for got, want in zip(validated[1], validated[0], strict=True):
         assert_same_metrics(got[0], want[0], "validate after fit, fsdp vs ddp", of="ddp's ")

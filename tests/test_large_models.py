@@ -136,14 +136,14 @@ def test_each_rank_takes_memory_for_its_part_only_and_failures_reach_every_rank(
     """`models.Wide` (64 MiB of blocks) built on the meta device, on 2 stages, then on 1 stage with its blocks sharded
     over 2 replicas (``data_parallel="fsdp"``, materialized block by block): each rank's peak memory grows by about
     its half before training (the whole model before this issue), and it holds half the blocks. A weight nothing
-    initializes on the second stage only, FSDP applied by the module itself, an optimizer built from a parameter list
-    kept in ``__init__`` (meta tensors after a meta build), and two blocks sharing a weight under FSDP2 fail every rank
-    with our error, before any rank waits on a collective."""
+    initializes on the second stage only, FSDP applied over a mesh of the module's own, an optimizer built from a
+    parameter list kept in ``__init__`` (meta tensors after a meta build), and two blocks sharing a weight under FSDP2
+    fail every rank with our error, before any rank waits on a collective."""
     ranks = launch(2, [{"scenario": "meta_memory", "kwargs": {}},
                        {"scenario": "meta_memory", "kwargs": {"pipeline_parallel_size": 1, "data_parallel": "fsdp"}},
                        {"scenario": "expect_error", "kwargs": {"model": "gain_on_last_stage",
                                                                "trainer": {"meta": True}}},
-                       {"scenario": "expect_error", "kwargs": {"model": "shards_its_own_blocks",
+                       {"scenario": "expect_error", "kwargs": {"model": "shards_over_its_own_mesh",
                                                                "pipeline_parallel_size": 1}},
                        {"scenario": "expect_error", "kwargs": {"model": "keeps_its_parameter_list",
                                                                "trainer": {"meta": True}}},
@@ -164,8 +164,8 @@ def test_each_rank_takes_memory_for_its_part_only_and_failures_reach_every_rank(
         assert "stage 1 (rank 1)" in uninitialized["message"], uninitialized
         assert "`layers.3.gain` (Gain)" in uninitialized["message"], uninitialized
         assert own_sharding["type"] == "PipelineConfigError", own_sharding
-        assert "already sharded with FSDP2" in own_sharding["message"], own_sharding
-        assert "data_parallel='fsdp'" in own_sharding["message"], own_sharding
+        assert "are DTensors on a mesh other than the strategy's" in own_sharding["message"], own_sharding
+        assert "('replicas',)" in own_sharding["message"], own_sharding
         assert stale_list["type"] == "PipelineConfigError", stale_list
         assert "still on the meta device" in stale_list["message"], stale_list
         assert shared["type"] == "PipelineConfigError", shared
