@@ -967,7 +967,19 @@ class HandsOnDTensors(TensorParallelMLP):
         self.plan = {"up": ColwiseParallel(), "down": RowwiseParallel(use_local_output=False)}
 
 
+class WideTensorParallel(TensorParallelPlanOnly):
+    """512 MiB of fp32 weights: 16 residual blocks of two 2048 x 2048 layers, each split column- then row-wise (large
+    enough that the memory a rank holds shows above what its process groups take)."""
+
+    def __init__(self, width: int = 2048, blocks: int = 16) -> None:
+        super().__init__()
+        self.inp = nn.Linear(10, width)
+        self.blocks = nn.ModuleList(FeedForward(width, width) for _ in range(blocks))
+        self.head = nn.Linear(width, 5)
+
+
 MODELS["tp_mlp"] = TensorParallelMLP
+MODELS["wide_tp"] = WideTensorParallel
 MODELS["tp_mlp_plan_only"] = TensorParallelPlanOnly
 MODELS["tp_fully_shards_its_model"] = FullyShardsItsModel
 MODELS["hands_on_dtensors"] = HandsOnDTensors

@@ -99,10 +99,10 @@ def _train(strategy: Any, model: str, max_steps: int, batch_size: int, trainer: 
             "layout": {name: getattr(used, name, None) for name in ("stage", "replica", "num_stages", "num_replicas")}}
 
 
-def meta_memory(**strategy: Any) -> dict[str, Any]:
-    """Fit `models.Wide` built on the meta device for one step; return how far this process's peak resident memory
-    rose above its resident memory before the build by the start of training (Linux: the peak is reset there), the
-    bytes of the module's tensors there, and the whole model's bytes."""
+def meta_memory(model: str = "wide", **strategy: Any) -> dict[str, Any]:
+    """Fit ``model`` (`models.Wide` or alike) built on the meta device for one step; return how far this process's
+    peak resident memory rose above its resident memory before the build by the start of training (Linux: the peak is
+    reset there), the bytes of the module's tensors there, and the whole model's bytes."""
     from pathlib import Path
 
     import lightning as L
@@ -129,9 +129,9 @@ def meta_memory(**strategy: Any) -> dict[str, Any]:
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak to the present
     before = resident_kib("VmRSS:") * 1024
     with trainer.init_module(empty_init=True):
-        module = MODELS["wide"]()
+        module = MODELS[model]()
     whole = sum(p.numel() * p.element_size() for p in module.parameters())
-    trainer.fit(module, make_data("wide"))
+    trainer.fit(module, make_data(model))
     local = [p.to_local() if isinstance(p, DTensor) else p for p in module.parameters()]
     return {"growth": seen["peak"] - before, "held": seen["held"], "whole": whole,
             "finite": all(bool(p.isfinite().all()) for p in local)}

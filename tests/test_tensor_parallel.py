@@ -92,11 +92,14 @@ def job8(checkpoints: Path) -> list[RankResult]:
 
 @pytest.fixture(scope="module")
 def job4(checkpoints: Path, job8: list[RankResult]) -> list[RankResult]:
-    """4 processes, 2 stages x 2 tensor-parallel ranks: 1f1b saving a full checkpoint, zb_h1, interleaved 1F1B,
+    """4 processes, 2 stages x 2 tensor-parallel ranks: the memory a meta build takes; 1f1b saving a full checkpoint,
+    zb_h1, interleaved 1F1B,
     clipping by the global norm; the 8-process job's sharded checkpoint resumed here (no step left: its weights);
     tensor_parallel_size with a module that applies no plan; blocks that hand on DTensors; the sharded checkpoint
     resumed at 2 stages x 2 replicas without tensor parallelism."""
-    runs = [pipelined(trainer=OWN_LOADER, save_to=str(checkpoints / "full.ckpt")),
+    runs = [{"scenario": "meta_memory", "kwargs": {"model": "wide_tp", "pipeline_parallel_size": STAGES,
+                                                   "tensor_parallel_size": TP}},  # first: in fresh processes
+            pipelined(trainer=OWN_LOADER, save_to=str(checkpoints / "full.ckpt")),
             pipelined("zb_h1", trainer=OWN_LOADER),
             pipelined("interleaved_1f1b", trainer=OWN_LOADER, stages_per_rank=2),
             pipelined(trainer={**OWN_LOADER, **CLIPPED}),
@@ -120,7 +123,7 @@ def test_pipeline_by_tensor_parallel_equals_model_parallel_strategy(
     one_device = fit("tp_mlp", **OWN_LOADER)[0]  # ModelParallelStrategy(1, 2) equals one device
     for name, value in one_device.state_dict().items():
         torch.testing.assert_close(expected["state"][name], value, rtol=1e-5, atol=5e-6)
-    for index, label in enumerate(["pp2 x tp2 1f1b", "pp2 x tp2 zb_h1", "pp2 x tp2 interleaved_1f1b"]):
+    for index, label in enumerate(["pp2 x tp2 1f1b", "pp2 x tp2 zb_h1", "pp2 x tp2 interleaved_1f1b"], start=1):
         full, history = assemble(ok(job4, index), index)
         assert_matches(full, history, expected, label)
 
@@ -129,7 +132,7 @@ def test_pipeline_by_tensor_parallel_equals_model_parallel_strategy(
 @pytest.mark.timeout(600)
 def test_global_norm_clipping_counts_each_tensor_parallel_shard_once(job4: list[RankResult]) -> None:
     module, logger = fit("tp_mlp", **OWN_LOADER, **CLIPPED)
-    full, history = assemble(ok(job4, 3), 3)
+    full, history = assemble(ok(job4, 4), 4)
     assert_matches(full, history, {"state": module.state_dict(), "history": logger.history}, "clipped pp2 x tp2")
 
 
@@ -175,12 +178,12 @@ def test_checkpoints_of_tensor_parallel_stages(checkpoints: Path, job8: list[Ran
                                                 job4: list[RankResult]) -> None:
     """The full checkpoint (pp2 x tp2) loads in plain Lightning; the sharded one (pp2 x dp2 x tp2 with fsdp) resumes
     with its weights at pp2 x tp2 (another D) and at pp2 x dp2 (another T)."""
-    full, _ = assemble(ok(job4, 0), 0)
+    full, _ = assemble(ok(job4, 1), 1)
     loaded = TensorParallelMLP.load_from_checkpoint(checkpoints / "full.ckpt", weights_only=True)
     for name, value in loaded.state_dict().items():
         torch.testing.assert_close(value, full[name], rtol=0, atol=0, msg=name)
     saved, _ = assemble(ok(job8, 1), 1)
-    for index in (4, 7):
+    for index in (5, 8):
         resumed, _ = assemble(ok(job4, index), index)
         for name, value in saved.items():
             torch.testing.assert_close(resumed[name], value, rtol=0, atol=0, msg=f"run {index}: {name}")
@@ -189,8 +192,8 @@ def test_checkpoints_of_tensor_parallel_stages(checkpoints: Path, job8: list[Ran
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_tensor_parallel_size_without_a_plan_is_refused_on_every_rank(job4: list[RankResult]) -> None:
-    for rank in ok(job4, 5):
-        error = rank.results[5]
+    for rank in ok(job4, 6):
+        error = rank.results[6]
         assert error["type"] == "PipelineConfigError", error
         assert "tensor_parallel_size=2, but the module applies no tensor-parallel plan" in error["message"]
 
@@ -198,8 +201,24 @@ def test_tensor_parallel_size_without_a_plan_is_refused_on_every_rank(job4: list
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_blocks_handing_on_dtensors_are_refused(job4: list[RankResult]) -> None:
-    errors = [rank.results[6] for rank in ok(job4, 6)]
+    errors = [rank.results[7] for rank in ok(job4, 7)]
     assert all(error["type"] != "none" for error in errors), errors  # every rank ends
     for error in errors[:TP]:  # the first stage's ranks, where the DTensor is handed on
         assert error["type"] == "PipelineConfigError", error
         assert "A block handed the next block a DTensor" in error["message"], error
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_meta_build_takes_each_rank_its_share_of_memory(job4: list[RankResult]) -> None:
+    """`models.WideTensorParallel` (512 MiB of blocks) built on the meta device, 2 stages x 2 tensor-parallel ranks:
+    each rank holds a quarter of the blocks, and its peak memory grows by less than half the model before training
+    (each layer is made whole, initialized and cut in turn: 16 MiB at a time)."""
+    for rank, result in enumerate(ok(job4, 0)):
+        seen = result.results[0]
+        whole, held, growth = seen["whole"], seen["held"], seen["growth"]
+        print(f"rank {rank}: the model {whole / 2**20:.1f} MiB, held {held / 2**20:.1f} MiB, peak memory grew "
+              f"{growth / 2**20:.1f} MiB ({growth / whole:.2f} of the model)")
+        assert seen["finite"]
+        assert 0.22 * whole < held < 0.28 * whole, (held, whole)
+        assert growth < 0.5 * whole, (growth, whole)

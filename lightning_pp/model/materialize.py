@@ -17,6 +17,7 @@ would train on uninitialized memory is refused, never run.
 
 from __future__ import annotations
 
+import mmap
 import sys
 import zlib
 from collections.abc import Iterator
@@ -43,8 +44,8 @@ def _owned_meta(module: nn.Module) -> Iterator[tuple[str, Tensor, bool]]:
             yield name, buffer, False
 
 
-def _filled_with_sentinel(like: Tensor, device: torch.device) -> Tensor:
-    storage = torch.empty_like(like, device=device)
+def _filled_with_sentinel(like: Tensor, device: torch.device, off_heap: bool = False) -> Tensor:
+    storage = _off_heap(like, device) if off_heap else torch.empty_like(like, device=device)
     if storage.is_floating_point() or storage.is_complex():
         storage.fill_(float("nan"))
     elif storage.dtype == torch.bool:
@@ -52,6 +53,17 @@ def _filled_with_sentinel(like: Tensor, device: torch.device) -> Tensor:
     else:
         storage.fill_(torch.iinfo(storage.dtype).max)
     return storage
+
+
+def _off_heap(like: Tensor, device: torch.device) -> Tensor:
+    """An uninitialized tensor shaped like ``like`` that, on the CPU, lives in its own anonymous memory map: a whole
+    tensor made only to be cut (see :func:`materialize`) is returned to the system when freed, instead of leaving a
+    hole in the heap between the shards kept before and after it (glibc serves allocations below its mmap threshold,
+    32 MiB here, from the heap: see :mod:`lightning_pp._allocator`)."""
+    nbytes = like.numel() * like.element_size()
+    if device.type != "cpu" or nbytes == 0:
+        return torch.empty_like(like, device=device)
+    return torch.frombuffer(mmap.mmap(-1, nbytes), dtype=like.dtype).view(like.shape)
 
 
 def _still_sentinel(tensor: Tensor) -> bool:
@@ -110,50 +122,79 @@ def materialize(module: nn.Module, device: torch.device, part: str = "") -> list
     A meta DTensor (a tensor-parallel plan applied to the meta build) is made and initialized whole, then each rank
     keeps its own shard of it (no communication): its values do not depend on the tensor-parallel size either. So the
     whole size of one ``part`` is allocated for a moment."""
-    from torch.distributed.tensor import DTensor, distribute_tensor
+    from torch.distributed.tensor import DTensor
 
     storage: dict[int, Tensor] = {}  # one new tensor per meta tensor, so that a tied weight stays one weight
+    shards: dict[int, Tensor] = {}  # the storage of this rank's shard of each meta DTensor
     made: list[str] = []
-    to_initialize: list[tuple[str, nn.Module, list[Any]]] = []
+    # (path, module, its initializers, the meta tensors it registers itself), children before their parent
+    to_initialize: list[tuple[str, nn.Module, list[Any], list[tuple[str, Tensor, bool]]]] = []
     holds_meta: set[int] = set()
-    distributed: list[tuple[nn.Module, str, DTensor]] = []  # (module, name, meta DTensor): sharded once initialized
     root, enclosing = _part_of(module, part)
     for path, sub, hf_model in _modules_children_first(root, part, enclosing):
         owned = list(_owned_meta(sub))
         if owned or any(id(child) in holds_meta for child in sub.children()):
             holds_meta.add(id(sub))
-            to_initialize.append((path, sub, _initializers(sub, bool(owned), hf_model)))
-        for name, tensor, is_parameter in owned:
-            new = storage.get(id(tensor))
-            if new is None:
-                whole = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta") if isinstance(tensor, DTensor) \
-                    else tensor
-                new = _filled_with_sentinel(whole, device)
-                if is_parameter:
-                    new = nn.Parameter(new, requires_grad=tensor.requires_grad)
-                storage[id(tensor)] = new
-                made.append(f"{path}.{name}" if path else name)
-            if isinstance(tensor, DTensor):
-                distributed.append((sub, name, tensor))
-            setattr(sub, name, new)
+            to_initialize.append((path, sub, _initializers(sub, bool(owned), hf_model), owned))
+    # a module's tensors are final once it and every initializer above it ran: where none runs above it (torch's own
+    # layers), its tensor-parallel ones are cut at once, so only one module's are whole at a time
+    initialized_above = {path for path, _, initializers, _ in to_initialize if initializers}
+    cut_later: list[tuple[nn.Module, str, DTensor]] = []
     base_seed = torch.initial_seed()  # the job's seed (read before the loop reseeds)
     # the CPU generator always; CUDA's where the device is one (fork_rng restores what it forks)
     with torch.random.fork_rng(devices=[device] if device.type == "cuda" else []), torch.no_grad():
-        for path, _, initializers in to_initialize:
+        for path, sub, initializers, owned in to_initialize:
+            distributed = []
+            for name, tensor, is_parameter in owned:
+                new = storage.get(id(tensor))
+                if new is None:
+                    whole: Tensor = tensor
+                    if isinstance(tensor, DTensor):
+                        # the shard's storage first, below the whole tensor in the heap: once the whole one is freed,
+                        # the next layer's takes its place rather than leaving a hole between shards
+                        shards[id(tensor)] = torch.empty_like(tensor.to_local(), device=device)
+                        whole = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
+                    new = _filled_with_sentinel(whole, device, off_heap=isinstance(tensor, DTensor))
+                    if is_parameter:
+                        new = nn.Parameter(new, requires_grad=tensor.requires_grad)
+                    storage[id(tensor)] = new
+                    made.append(f"{path}.{name}" if path else name)
+                if isinstance(tensor, DTensor):
+                    distributed.append((sub, name, tensor))
+                setattr(sub, name, new)
             torch.manual_seed((base_seed + zlib.crc32(path.encode())) % 2**63)
             for init in initializers:
                 init()
-    shards: dict[int, Tensor] = {}
+            if any(_is_above(other, path) for other in initialized_above):
+                cut_later += distributed
+            else:
+                _cut(distributed, storage, shards)
+    _cut(cut_later, storage, shards)
+    return made
+
+
+def _is_above(path: str, below: str) -> bool:
+    """Whether the module at ``path`` encloses the one at ``below`` (paths within the whole model, "" the model)."""
+    return (path == "" and below != "") or below.startswith(path + ".")
+
+
+def _cut(distributed: list[tuple[nn.Module, str, Any]], storage: dict[int, Tensor], shards: dict[int, Tensor]) -> None:
+    """Replace each whole tensor made for a meta DTensor by this rank's shard of it (no communication), copied into
+    the shard's own storage (``shards``), so that the whole one is freed."""
+    from torch.distributed.tensor import DTensor, distribute_tensor
+
     for sub, name, spec in distributed:
         whole = storage[id(spec)]
-        shard = shards.get(id(spec))
-        if shard is None:
-            shard = distribute_tensor(whole.detach(), spec.device_mesh, spec.placements, src_data_rank=None)
+        if not isinstance(whole, DTensor):
+            local = shards.pop(id(spec))
+            local.copy_(distribute_tensor(whole.detach(), spec.device_mesh, spec.placements,
+                                          src_data_rank=None).to_local())
+            shard: Tensor = DTensor.from_local(local, spec.device_mesh, spec.placements, shape=spec.shape,
+                                               stride=spec.stride(), run_check=False)
             if isinstance(whole, nn.Parameter):
                 shard = nn.Parameter(shard, requires_grad=whole.requires_grad)
-            shards[id(spec)] = shard
-        setattr(sub, name, shard)
-    return made
+            storage[id(spec)] = shard  # a tied weight's other module gets the same shard
+        setattr(sub, name, storage[id(spec)])
 
 
 def left_uninitialized(module: nn.Module, made: list[str]) -> str | None:
