@@ -1,11 +1,15 @@
-"""Memory per rank of a GPT-2-medium-sized model: one device against 2 stages, 2 stages x 2 DDP replicas and 2 stages x
-2 replicas sharded with FSDP2 (``data_parallel="fsdp"``), on CPU with gloo (memory, not speed: CPU is fine for it).
+"""Memory per rank of a GPT-2-medium-sized model: one device against 2 stages, 2 stages x 2 DDP replicas, 2 stages x
+2 replicas sharded with FSDP2 (``data_parallel="fsdp"``) and 2 stages x 2 tensor-parallel ranks, on CPU with gloo
+(memory, not speed: CPU is fine for it).
 
-Run ``python benchmarks/memory.py`` (``--layouts one pp2 pp2xddp2 pp2xfsdp2``, ``--layers 24 --width 1024``). Each
-layout trains Hugging Face ``GPT2LMHeadModel`` (GPT-2 medium's shape by default: 24 layers of width 1024, 16 heads, a
-vocabulary of 50257 tied to the head; 355M weights, random init) with AdamW for 2 steps of batch 4 x 64 tokens (1F1B, 4
-micro-batches), in one process per rank with one CPU thread each. The pipelined layouts build the model on the meta
-device (``trainer.init_module(empty_init=True)``); one device builds it normally. Per rank it prints the parameters,
+Run ``python benchmarks/memory.py`` (``--layouts one pp2 pp2xddp2 pp2xfsdp2 pp2xtp2``, ``--layers 24 --width 1024``).
+Each layout trains Hugging Face ``LlamaForCausalLM`` of GPT-2 medium's size (24 layers of width 1024, 16 heads, an MLP
+of 2816, a vocabulary of 50257 tied to the head; 360M weights, random init; Llama rather than GPT-2 because GPT-2's
+``Conv1D`` layers take no DTensor plan) with AdamW for 2 steps of batch 4 x 64 tokens (1F1B, 4 micro-batches), in one
+process per rank with one CPU thread each. ``pp2xtp2`` splits each layer with the usual Megatron plan in
+``configure_model`` (attention projections and the MLP's gate and up column-wise, the output and down projections
+row-wise). The pipelined layouts build the model on the meta device (``trainer.init_module(empty_init=True)``); one
+device builds it normally. Per rank it prints the parameters,
 gradients and AdamW state it holds after a step (sharded tensors: the local shard), and the peak of its resident memory
 over the run above what it held before building the model (everything: weights, gradients, optimizer state,
 activations, gathered FSDP weights, transfer buffers, what the allocator keeps).
@@ -21,7 +25,6 @@ from typing import Any
 import lightning as L
 import torch
 from _workers import run_workers  # beside this script
-from placement import GPT2
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pp import PipelineParallelStrategy
@@ -32,7 +35,41 @@ LAYOUTS = {  # name -> (processes, strategy options; None: plain Lightning on on
     "pp2": (2, {}),
     "pp2xddp2": (4, {"pipeline_parallel_size": 2}),
     "pp2xfsdp2": (4, {"pipeline_parallel_size": 2, "data_parallel": "fsdp"}),
+    "pp2xtp2": (4, {"pipeline_parallel_size": 2, "tensor_parallel_size": 2}),
 }
+
+
+class Llama(L.LightningModule):
+    """Hugging Face Llama (head tied to the embedding), random init, AdamW; its layers split by tensor parallelism in
+    ``configure_model`` where the strategy's mesh has a tensor-parallel dimension larger than one."""
+
+    def __init__(self, layers: int, width: int) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        self.model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=50257, hidden_size=width, intermediate_size=width * 11 // 4, num_hidden_layers=layers,
+            num_attention_heads=width // 64, num_key_value_heads=width // 64, tie_word_embeddings=True))
+
+    def configure_model(self) -> None:
+        mesh = self.device_mesh
+        if mesh is None or mesh["tensor_parallel"].size() == 1:
+            return
+        from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+        plan = {**{f"self_attn.{p}_proj": ColwiseParallel() for p in "qkv"}, "self_attn.o_proj": RowwiseParallel(),
+                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel()}
+        for layer in self.model.model.layers:
+            parallelize_module(layer, mesh["tensor_parallel"], plan)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.model(input_ids=batch[0], labels=batch[0]).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=1e-4)
 
 
 def _resident_kib(field: str) -> int:  # VmRSS: now; VmHWM: the peak since the last reset (Linux)
@@ -85,7 +122,7 @@ def worker(spec: dict[str, Any]) -> None:
     trainer = L.Trainer(accelerator="cpu", devices=processes, max_steps=2, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[meter], strategy=strategy)
     with trainer.init_module(empty_init=options is not None):
-        module = GPT2(spec["layers"], spec["width"])
+        module = Llama(spec["layers"], spec["width"])
     data = TensorDataset(torch.randint(50257, (16, 64)))  # 2 batches per replica (2 replicas at most)
     trainer.fit(module, DataLoader(data, batch_size=4))
     rows = [meter.result]

@@ -430,7 +430,7 @@ def make_data(model_name: str, batch_size: int = 8, batches: int = 4, seed: int 
         return DataLoader(example.CharDataset(example.make_corpus(4000), 32), batch_size=16, shuffle=False)
     generator = torch.Generator().manual_seed(seed)
     n = batch_size * batches
-    if model_name != "tied":
+    if model_name not in ("tied", "llama_tp"):
         dataset = TensorDataset(torch.randn(n, 10, generator=generator), torch.randint(0, 5, (n,), generator=generator))
     else:
         dataset = TensorDataset(torch.randint(0, 13, (n, 6), generator=generator))
@@ -978,7 +978,42 @@ class WideTensorParallel(TensorParallelPlanOnly):
         self.head = nn.Linear(width, 5)
 
 
+class LlamaTensorParallel(L.LightningModule):
+    """Hugging Face ``LlamaForCausalLM`` from a small config (grouped-query attention, rotary embeddings computed
+    before the layers), unmodified, with the usual Megatron plan applied to each layer in ``configure_model``; on one
+    device it runs unsplit. SGD, so parameters compare element-wise."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import LlamaConfig, LlamaForCausalLM
+
+        self.model = LlamaForCausalLM(LlamaConfig(
+            vocab_size=13, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=16, tie_word_embeddings=False))
+
+    def configure_model(self) -> None:
+        from torch.distributed.tensor.parallel import parallelize_module
+
+        if self.device_mesh is None:
+            return
+        plan = {"self_attn.q_proj": ColwiseParallel(), "self_attn.k_proj": ColwiseParallel(),
+                "self_attn.v_proj": ColwiseParallel(), "self_attn.o_proj": RowwiseParallel(),
+                "mlp.gate_proj": ColwiseParallel(), "mlp.up_proj": ColwiseParallel(),
+                "mlp.down_proj": RowwiseParallel()}
+        for layer in self.model.model.layers:
+            parallelize_module(layer, self.device_mesh["tensor_parallel"], plan)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        loss = self.model(input_ids=batch[0], labels=batch[0]).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.5, momentum=0.9)
+
+
 MODELS["tp_mlp"] = TensorParallelMLP
+MODELS["llama_tp"] = LlamaTensorParallel
 MODELS["wide_tp"] = WideTensorParallel
 MODELS["tp_mlp_plan_only"] = TensorParallelPlanOnly
 MODELS["tp_fully_shards_its_model"] = FullyShardsItsModel

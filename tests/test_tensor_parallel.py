@@ -96,7 +96,7 @@ def job4(checkpoints: Path, job8: list[RankResult]) -> list[RankResult]:
     zb_h1, interleaved 1F1B,
     clipping by the global norm; the 8-process job's sharded checkpoint resumed here (no step left: its weights);
     tensor_parallel_size with a module that applies no plan; blocks that hand on DTensors; the sharded checkpoint
-    resumed at 2 stages x 2 replicas without tensor parallelism."""
+    resumed at 2 stages x 2 replicas without tensor parallelism; Hugging Face's Llama with its layers split."""
     runs = [{"scenario": "meta_memory", "kwargs": {"model": "wide_tp", "pipeline_parallel_size": STAGES,
                                                    "tensor_parallel_size": TP}},  # first: in fresh processes
             pipelined(trainer=OWN_LOADER, save_to=str(checkpoints / "full.ckpt")),
@@ -108,7 +108,8 @@ def job4(checkpoints: Path, job8: list[RankResult]) -> list[RankResult]:
                                                     "tensor_parallel_size": TP}},
             {"scenario": "expect_error", "kwargs": {"model": "hands_on_dtensors", "pipeline_parallel_size": STAGES,
                                                     "tensor_parallel_size": TP}},
-            pipelined(ckpt_path=str(checkpoints / "sharded"), tensor_parallel_size=1)]
+            pipelined(ckpt_path=str(checkpoints / "sharded"), tensor_parallel_size=1),
+            pipelined(trainer=OWN_LOADER, model="llama_tp", microbatches=4)]
     return launch(STAGES * TP, runs, timeout=240)
 
 
@@ -222,3 +223,14 @@ def test_a_meta_build_takes_each_rank_its_share_of_memory(job4: list[RankResult]
         assert seen["finite"]
         assert 0.22 * whole < held < 0.28 * whole, (held, whole)
         assert growth < 0.5 * whole, (growth, whole)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_hugging_face_llama_split_by_tensor_parallelism_trains_as_one_device(job4: list[RankResult]) -> None:
+    """An unmodified ``LlamaForCausalLM`` (grouped-query attention: 4 query and 2 key-value heads, 2 and 1 per rank;
+    rotary embeddings handed to every layer), each layer parallelized in ``configure_model``: 2 stages x 2
+    tensor-parallel ranks equal one device running it unsplit."""
+    module, logger = fit("llama_tp", **OWN_LOADER)
+    full, history = assemble(ok(job4, 9), 9)
+    assert_matches(full, history, {"state": module.state_dict(), "history": logger.history}, "Llama pp2 x tp2")
