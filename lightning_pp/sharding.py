@@ -1,7 +1,9 @@
-"""A stage's blocks sharded over its data-parallel replicas with torch's FSDP2 (``data_parallel="fsdp"``): each block
-is its own ``fully_shard`` unit on the replicas' mesh; the schedule's backwards accumulate unsharded gradients without
+"""Sharded weights: a stage's blocks sharded over its data-parallel replicas with torch's FSDP2
+(``data_parallel="fsdp"``), each block its own ``fully_shard`` unit on the replicas' mesh, and the FSDP2 units and
+tensor-parallel plans a module applies itself in ``configure_model`` (checked by :func:`check_user_sharding`, units
+adopted by :meth:`BlockSharding.adopt_units`). The schedule's backwards accumulate unsharded gradients without
 communication, and :meth:`BlockSharding.reduce_grads` reduce-scatters them once per optimizer step, as
-torch.distributed.pipelining does. Checkpoints see whole tensors: :func:`full_tensors` gathers a sharded state,
+torch.distributed.pipelining does. Full checkpoints see whole tensors: :func:`full_tensors` gathers a sharded state,
 :func:`shard_like` cuts a whole one to this rank's shard."""
 
 from __future__ import annotations
@@ -16,7 +18,7 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 from lightning_pp import _compat
 from lightning_pp.errors import PipelineConfigError
 
-__all__ = ["BlockSharding", "fsdp_units", "full_tensors", "is_sharded_module", "local", "refuse_user_sharding",
+__all__ = ["BlockSharding", "check_user_sharding", "fsdp_units", "full_tensors", "is_sharded_module", "local",
            "shard_like", "sharded_over_replicas", "shared_block_weights"]
 
 
@@ -49,11 +51,11 @@ def fsdp_units(module: nn.Module) -> list[tuple[str, nn.Module]]:
 def mixed_precision_policy(precision: str) -> Any:
     """FSDP2's mixed-precision policy for Lightning's ``precision``: with ``"bf16-mixed"`` / ``"16-mixed"`` a unit
     gathers its weights in that dtype for the passes (half the bytes of fp32) and reduce-scatters gradients in fp32,
-    as autocast computes from fp32 weights; None for the other precisions (fp32, or a module converted whole)."""
+    as autocast computes from fp32 weights; for the other precisions (fp32, or a module converted whole) no casts."""
     from torch.distributed.fsdp import MixedPrecisionPolicy
 
     dtype = {"bf16-mixed": torch.bfloat16, "16-mixed": torch.float16}.get(precision)
-    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32) if dtype is not None else None
+    return MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=torch.float32 if dtype is not None else None)
 
 
 class BlockSharding:
@@ -83,7 +85,7 @@ class BlockSharding:
         for which ``last(hook)`` holds (the pipeline's: the end of a stage stops the step) run after FSDP's."""
         from torch.distributed.fsdp import fully_shard
 
-        fully_shard(block, mesh=self.mesh, **({"mp_policy": self.mp_policy} if self.mp_policy is not None else {}))
+        fully_shard(block, mesh=self.mesh, mp_policy=self.mp_policy)
         self.adopt(block, last)
 
     def adopt_units(self, module: nn.Module, last: Callable[[Any], bool], within: str | None = None,
@@ -153,7 +155,7 @@ def shard_like(value: Tensor, like: Any) -> Tensor:
     return distribute_tensor(value.to(like.device, like.dtype), like.device_mesh, like.placements, src_data_rank=None)
 
 
-def refuse_user_sharding(module: nn.Module, tensor_parallel_size: int) -> None:
+def check_user_sharding(module: nn.Module, tensor_parallel_size: int) -> None:
     """Before any collective (every rank ran the same ``configure_model``): sharding the pipeline cannot run is our
     error. FSDP2 units and DTensor parameters must be on the job's mesh (``"data_parallel"``,
     ``"tensor_parallel"``, or both); FSDP1 is refused; ``tensor_parallel_size > 1`` needs a tensor-parallel plan."""

@@ -27,8 +27,8 @@ from lightning_pp.model.split import Partition, split_module
 from lightning_pp.options import PipelineOptions
 from lightning_pp.sharding import (
     BlockSharding,
+    check_user_sharding,
     local,
-    refuse_user_sharding,
     sharded_over_replicas,
     shared_block_weights,
 )
@@ -86,10 +86,11 @@ def placement_of(module: nn.Module) -> WeightPlacement | None:
 
 
 def refuse_unsupported(module: Any, fitting: bool, tensor_parallel_size: int) -> None:
-    """Before any collective: sharding the module applied itself other than a tensor-parallel plan (before our first
-    run on it), ``tensor_parallel_size`` without a plan, and (fit) manual optimization, are refused."""
+    """Before any collective: sharding the module applied itself that the pipeline cannot run, or
+    ``tensor_parallel_size`` without a plan (see :func:`~lightning_pp.sharding.check_user_sharding`; before our first
+    run on it), and (fit) manual optimization, are refused."""
     if not is_assembled(module):
-        refuse_user_sharding(module, tensor_parallel_size)
+        check_user_sharding(module, tensor_parallel_size)
     if fitting:
         refuse_manual_optimization(module)
 
