@@ -43,8 +43,11 @@ class RemoteBlockOutput(torch.Tensor):
 
 
 def marked_remote(t: torch.Tensor) -> torch.Tensor:
-    """``t`` standing in for the output of a block another stage holds (nested tensors stay as they are)."""
-    return t if t.is_nested else t.as_subclass(RemoteBlockOutput)
+    """``t`` standing in for the output of a block another stage holds (nested tensors and DTensors, which cannot be
+    made a subclass of another tensor type, stay as they are: unmarked)."""
+    from torch.distributed.tensor import DTensor
+
+    return t if t.is_nested or isinstance(t, DTensor) else t.as_subclass(RemoteBlockOutput)
 
 
 def refuse_remote(value: Any, what: str) -> None:

@@ -136,11 +136,10 @@ def pack(tensors: list[torch.Tensor], device: torch.device, start: int = 0, size
 def _refuse_dtensor(value: torch.Tensor) -> None:
     if isinstance(value, DTensor):
         raise PipelineConfigError(
-            f"A block handed the next block a DTensor ({value.placements} on mesh "
-            f"{value.device_mesh.mesh_dim_names}), which cannot cross pipeline stages: each tensor-parallel rank "
-            f"hands its own part to the same rank of the next stage. Let the plan's last layer of each block "
-            f"return a plain tensor (use_local_output=True, the default of ColwiseParallel, RowwiseParallel and "
-            f"SequenceParallel).")
+            f"A DTensor ({value.placements} on mesh {value.device_mesh.mesh_dim_names}) would cross stages outside "
+            f"the pipelined micro-batches (an evaluation or generation pass through the blocks), where only plain "
+            f"tensors can. Let the plan's last layer of each block return a plain tensor (use_local_output=True, the "
+            f"default of ColwiseParallel, RowwiseParallel and SequenceParallel).")
 
 
 def unpack(buffer: torch.Tensor, layout: Layout, start: int = 0) -> list[torch.Tensor]:

@@ -43,6 +43,7 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from lightning_pp._nccl_emulation import EmulatedNcclWork, emulating_nccl
 from lightning_pp._tree import (
@@ -59,7 +60,7 @@ from lightning_pp._tree import (
 )
 from lightning_pp.actions import Action, ActionType
 from lightning_pp.errors import PipelineCommError, PipelineConfigError, PipelineTimeoutError
-from lightning_pp.topology import StageGroups, create_groups
+from lightning_pp.topology import StageGroups, create_device_mesh, create_groups
 
 __all__ = ["StageP2P", "connect_stages"]
 
@@ -88,6 +89,36 @@ _PostedReceive = tuple[torch.Tensor, dist.Work, Layout]
 _PendingSend = tuple[Action, list[dist.Work], list[torch.Tensor], bool]
 
 
+_DTENSORS = "dtensors"  # beside a structure's spec: [index, mesh dimension names, placements, shape, stride] each
+
+
+def _placed(tensor: DTensor) -> list[Any]:
+    """How to rebuild ``tensor`` from its local part: mesh dimension names, placements, shape, stride (JSON)."""
+    codes = []
+    for placement in tensor.placements:
+        if type(placement) is Shard:
+            codes.append(["S", placement.dim])
+        elif type(placement) is Replicate:
+            codes.append(["R"])
+        elif type(placement) is Partial:
+            codes.append(["P", placement.reduce_op])
+        else:
+            raise PipelineConfigError(
+                f"A block handed the next block a DTensor placed as {placement}, which cannot cross pipeline stages "
+                f"(Shard, Replicate and Partial can). Let the plan's last layer of each block return a plain tensor "
+                f"(use_local_output=True) or redistribute it.")
+    return [list(tensor.device_mesh.mesh_dim_names or ()), codes, list(tensor.shape), list(tensor.stride())]
+
+
+def _rebuilt(local: torch.Tensor, mesh: Any, codes: list[list[Any]], shape: list[int],
+             stride: list[int]) -> torch.Tensor:
+    """The DTensor ``local`` is this rank's part of, a leaf that requires gradients where ``local`` does."""
+    placements = [Shard(c[1]) if c[0] == "S" else Replicate() if c[0] == "R" else Partial(c[1]) for c in codes]
+    rebuilt = DTensor.from_local(local.detach(), mesh, placements, shape=torch.Size(shape), stride=tuple(stride),
+                                 run_check=False)
+    return rebuilt.requires_grad_(local.requires_grad)
+
+
 def _pack(header: list[int] | None, payloads: list[torch.Tensor], device: torch.device,
           size: int = 0) -> torch.Tensor:
     """One byte buffer (of at least ``size`` bytes) holding ``header`` (if any) and then ``payloads``."""
@@ -111,7 +142,9 @@ class StageP2P:
     (see :mod:`lightning_pp._tree`). Each tensor keeps its ``requires_grad`` across the boundary, so the receiver
     back-propagates exactly into what the sender's graph can use. Call :meth:`start_step` with the stage's actions
     before running them, :meth:`flush` before computing with what was received, and :meth:`wait_sends` after the
-    step. ``header_groups`` (gloo groups paired with ``groups``, for NCCL) carry the headers on the host.
+    step. ``header_groups`` (gloo groups paired with ``groups``, for NCCL) carry the headers on the host. A DTensor
+    (tensor parallelism) crosses as its local part, each tensor-parallel rank to the same rank of the next stage, and
+    is rebuilt there as a leaf with its placements on the mesh ``mesh_of`` gives for its dimension names.
     """
 
     def __init__(
@@ -122,8 +155,10 @@ class StageP2P:
         groups: Sequence[Any] = (None, None),
         prefetch: int = 2,
         header_groups: Sequence[Any] | None = None,
+        mesh_of: Callable[[tuple[str, ...]], Any] | None = None,
     ) -> None:
         self.stage_ranks = list(stage_ranks)
+        self.mesh_of = mesh_of
         self.device = device
         self.timeout = timeout
         # activations and gradients travel in separate process groups, i.e. separate connections: on one gloo TCP
@@ -162,10 +197,14 @@ class StageP2P:
 
     def send(self, obj: Any, action: Action) -> None:
         """Post ``obj`` to ``action.peer``; what is sent stays referenced until the send has completed."""
-        if isinstance(obj, torch.Tensor) and not obj.is_nested:  # the common case, without walking a structure
+        if type(obj) is torch.Tensor and not obj.is_nested:  # the common case, without walking a structure
             tensors, spec = [obj], _TENSOR_SPEC
         else:
             tensors, spec = flatten(obj)
+            distributed = [[i, *_placed(t)] for i, t in enumerate(tensors) if isinstance(t, DTensor)]
+            if distributed:  # their local parts travel; the structure says how to rebuild them
+                spec = {**spec, _DTENSORS: distributed}
+                tensors = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
         for tensor in tensors:
             if tensor.dim() > _MAX_DIMS or tensor.dtype not in _DTYPE_CODE:
                 raise PipelineCommError(
@@ -288,11 +327,18 @@ class StageP2P:
                 if grad and payload.is_floating_point():
                     payload.requires_grad_()
         spec = self._specs[key]
+        for index, dims, placements, shape, stride in spec.get(_DTENSORS, ()):
+            payloads[index] = _rebuilt(payloads[index], self._mesh(dims), placements, shape, stride)
         if self.header_groups is not None and spec != _TENSOR_SPEC and has_nested(spec):
             # rebuilding a nested tensor reads its sizes and copies its values: their receives must be posted (and
             # waited for) first. Nested tensors cross only in evaluation, where nothing is gained by deferring them
             self.flush()
         return payloads[0] if spec == _TENSOR_SPEC else unflatten(spec, payloads), header_arrived
+
+    def _mesh(self, dims: list[str]) -> Any:
+        if self.mesh_of is None:
+            raise PipelineCommError("A DTensor arrived, but these transfers know no device mesh to rebuild it on.")
+        return self.mesh_of(tuple(dims))
 
     @property
     def batched(self) -> bool:
@@ -441,4 +487,6 @@ def connect_stages(groups: StageGroups, stage_to_rank: Sequence[int], device: to
         on_host = create_groups(groups.layout, groups.rank, new_gloo_group, p2p_groups=len(groups.p2p))
         groups.created.extend(on_host.created)
         header_groups = on_host.p2p
-    return StageP2P(stage_ranks, device, timeout, groups.p2p, header_groups=header_groups)
+    mesh = create_device_mesh(groups.layout, device.type)  # made at the start (cached): no collective
+    return StageP2P(stage_ranks, device, timeout, groups.p2p, header_groups=header_groups,
+                    mesh_of=lambda dims: mesh[dims if len(dims) > 1 else dims[0]])

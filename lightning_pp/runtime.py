@@ -13,6 +13,7 @@ from lightning_pp.actions import Action, ActionType, Schedule
 from lightning_pp.backward import WeightGradients, backward_input, backward_weight
 from lightning_pp.errors import PipelineScheduleError
 from lightning_pp.p2p import StageP2P
+from lightning_pp.sharding import placed_like
 from lightning_pp.timeline import CATEGORY_OF, COMM_TRANSFER, COMM_WAIT, TimelineEvent
 
 __all__ = ["EventClock", "ForwardFn", "HostClock", "run_stage", "step_clock"]
@@ -185,7 +186,7 @@ class _StageRun:
         if tensors:  # else: frozen layers fed by an input without gradient, nothing to do
             torch.autograd.backward(tensors, grads)
         if key in self.inputs:
-            self.hand_upstream(key, [t.grad if t.grad is not None else torch.zeros_like(t)
+            self.hand_upstream(key, [placed_like(t.grad, t) if t.grad is not None else torch.zeros_like(t)
                                      for t in _needing_grad(self.inputs.pop(key))])
 
     def run_backward_input(self, action: Action) -> None:
@@ -202,7 +203,7 @@ class _StageRun:
         else:  # frozen layers fed by an input without gradient, nothing to do
             dinputs, self.weight_work[key] = [torch.zeros_like(t) for t in received], WeightGradients(weights)
         if had_input:  # the previous stage waits for this (possibly empty) gradient, as after a B
-            self.hand_upstream(key, dinputs)
+            self.hand_upstream(key, [placed_like(g, t) for g, t in zip(dinputs, received, strict=True)])
 
     def run_backward_weight(self, action: Action) -> None:
         backward_weight(self.weight_work.pop((action.stage, action.microbatch)))

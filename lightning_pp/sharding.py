@@ -19,7 +19,7 @@ from lightning_pp import _compat
 from lightning_pp.errors import PipelineConfigError
 
 __all__ = ["BlockSharding", "check_user_sharding", "fsdp_units", "full_tensors", "is_sharded_module", "local",
-           "shard_like", "sharded_over_replicas", "shared_block_weights"]
+           "placed_like", "shard_like", "sharded_over_replicas", "shared_block_weights"]
 
 
 def sharded_over_replicas(tensor: Any) -> bool:
@@ -32,6 +32,14 @@ def local(tensor: Tensor) -> Tensor:
     """This rank's part of ``tensor`` (a DTensor's local shard, a view: writing to it writes to the DTensor), or
     ``tensor`` itself."""
     return tensor.to_local() if isinstance(tensor, DTensor) else tensor
+
+
+def placed_like(grad: Tensor, tensor: Tensor) -> Tensor:
+    """``grad`` laid out as ``tensor``: a DTensor's gradient may come out otherwise placed (partial sums), and what is
+    sent back upstream must match what was sent down."""
+    if isinstance(grad, DTensor) and isinstance(tensor, DTensor) and grad.placements != tensor.placements:
+        return grad.redistribute(tensor.device_mesh, tensor.placements)
+    return grad
 
 
 def is_sharded_module(module: nn.Module | None) -> bool:

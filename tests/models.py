@@ -958,13 +958,27 @@ class FullyShardsItsModel(TensorParallelMLP):
         return loss
 
 
-class HandsOnDTensors(TensorParallelMLP):
-    """Its blocks return DTensors (no residual; ``down``'s output kept distributed): refused at the stage boundary."""
+class HandsOnDTensors(TensorParallelPlanOnly):
+    """Its blocks hand each other DTensors (no residual; ``down``'s output kept distributed, replicated), which the
+    next block's plan takes as they are; the step gathers the last one before the head."""
 
     def __init__(self) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(FeedForward(16, 32, residual=False) for _ in range(4))
         self.plan = {"up": ColwiseParallel(), "down": RowwiseParallel(use_local_output=False)}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        x, y = batch
+        hidden = self.inp(x)
+        for block in self.blocks:
+            hidden = block(hidden)
+        if isinstance(hidden, DTensor):
+            hidden = hidden.full_tensor()
+        loss = nn.functional.cross_entropy(self.head(hidden), y)
+        self.log("train_loss", loss)
+        return loss
 
 
 class WideTensorParallel(TensorParallelPlanOnly):

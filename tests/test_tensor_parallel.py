@@ -93,10 +93,10 @@ def job8(checkpoints: Path) -> list[RankResult]:
 @pytest.fixture(scope="module")
 def job4(checkpoints: Path, job8: list[RankResult]) -> list[RankResult]:
     """4 processes, 2 stages x 2 tensor-parallel ranks: the memory a meta build takes; 1f1b saving a full checkpoint,
-    zb_h1, interleaved 1F1B,
-    clipping by the global norm; the 8-process job's sharded checkpoint resumed here (no step left: its weights);
-    tensor_parallel_size with a module that applies no plan; blocks that hand on DTensors; the sharded checkpoint
-    resumed at 2 stages x 2 replicas without tensor parallelism; Hugging Face's Llama with its layers split."""
+    zb_h1, interleaved 1F1B, clipping by the global norm; the 8-process job's sharded checkpoint resumed here (no step
+    left: its weights); tensor_parallel_size with a module that applies no plan; blocks that hand each other DTensors;
+    the sharded checkpoint resumed at 2 stages x 2 replicas without tensor parallelism; Hugging Face's Llama with its
+    layers split."""
     runs = [{"scenario": "meta_memory", "kwargs": {"model": "wide_tp", "pipeline_parallel_size": STAGES,
                                                    "tensor_parallel_size": TP}},  # first: in fresh processes
             pipelined(trainer=OWN_LOADER, save_to=str(checkpoints / "full.ckpt")),
@@ -106,8 +106,7 @@ def job4(checkpoints: Path, job8: list[RankResult]) -> list[RankResult]:
             pipelined(trainer=OWN_LOADER, ckpt_path=str(checkpoints / "sharded")),
             {"scenario": "expect_error", "kwargs": {"model": "mlp_sgd", "pipeline_parallel_size": STAGES,
                                                     "tensor_parallel_size": TP}},
-            {"scenario": "expect_error", "kwargs": {"model": "hands_on_dtensors", "pipeline_parallel_size": STAGES,
-                                                    "tensor_parallel_size": TP}},
+            pipelined(trainer=OWN_LOADER, model="hands_on_dtensors"),
             pipelined(ckpt_path=str(checkpoints / "sharded"), tensor_parallel_size=1),
             pipelined(trainer=OWN_LOADER, model="llama_tp", microbatches=4)]
     return launch(STAGES * TP, runs, timeout=240)
@@ -201,12 +200,12 @@ def test_tensor_parallel_size_without_a_plan_is_refused_on_every_rank(job4: list
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
-def test_blocks_handing_on_dtensors_are_refused(job4: list[RankResult]) -> None:
-    errors = [rank.results[7] for rank in ok(job4, 7)]
-    assert all(error["type"] != "none" for error in errors), errors  # every rank ends
-    for error in errors[:TP]:  # the first stage's ranks, where the DTensor is handed on
-        assert error["type"] == "PipelineConfigError", error
-        assert "A block handed the next block a DTensor" in error["message"], error
+def test_blocks_handing_each_other_dtensors_train_as_one_device(job4: list[RankResult]) -> None:
+    """A DTensor a block hands on crosses the stage boundary as each tensor-parallel rank's local part, to the same
+    rank of the next stage, rebuilt there with its placements (gradients back alike)."""
+    module, logger = fit("hands_on_dtensors", **OWN_LOADER)
+    full, history = assemble(ok(job4, 7), 7)
+    assert_matches(full, history, {"state": module.state_dict(), "history": logger.history}, "DTensors across stages")
 
 
 @pytest.mark.multiprocess
