@@ -119,9 +119,10 @@ def materialize(module: nn.Module, device: torch.device, part: str = "") -> list
     weights stay tied. ``part``: only this submodule of ``module`` (a block), named and initialized as within the
     whole. Returns the names of the tensors it made, for :func:`left_uninitialized`.
 
-    A meta DTensor (a tensor-parallel plan applied to the meta build) is made and initialized whole, then each rank
-    keeps its own shard of it (no communication): its values do not depend on the tensor-parallel size either. So the
-    whole size of one ``part`` is allocated for a moment."""
+    A meta DTensor (a tensor-parallel plan or FSDP2 applied to the meta build) is made and initialized whole, then
+    each rank keeps its own shard of it (no communication): its values do not depend on the layout either. One
+    module's whole tensors exist at a time (all of ``part``'s where an initializer above them may still change them,
+    as a Hugging Face model's ``_init_weights`` does)."""
     from torch.distributed.tensor import DTensor
 
     storage: dict[int, Tensor] = {}  # one new tensor per meta tensor, so that a tied weight stays one weight
@@ -149,9 +150,7 @@ def materialize(module: nn.Module, device: torch.device, part: str = "") -> list
                 new = storage.get(id(tensor))
                 if new is None:
                     whole: Tensor = tensor
-                    if isinstance(tensor, DTensor):
-                        # the shard's storage first, below the whole tensor in the heap: once the whole one is freed,
-                        # the next layer's takes its place rather than leaving a hole between shards
+                    if isinstance(tensor, DTensor):  # its shard's storage, then the whole tensor (off the heap)
                         shards[id(tensor)] = torch.empty_like(tensor.to_local(), device=device)
                         whole = torch.empty(tensor.shape, dtype=tensor.dtype, device="meta")
                     new = _filled_with_sentinel(whole, device, off_heap=isinstance(tensor, DTensor))
