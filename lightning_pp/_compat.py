@@ -254,8 +254,6 @@ def reduce_fsdp_grads(module: Any) -> None:
     from torch.distributed.fsdp import fully_shard
 
     state = fully_shard.state(module)  # type: ignore[attr-defined]
-    if state._is_root is None:  # never run (a head on the first stage): nothing accumulated, alike on every replica
-        return
     module.set_is_last_backward(True)
     module.set_reshard_after_backward(True)
     module.set_requires_gradient_sync(True)
@@ -263,6 +261,15 @@ def reduce_fsdp_grads(module: Any) -> None:
         for param_group in each._fsdp_param_groups:
             param_group.post_backward()
     state._root_post_backward_final_callback()
+
+
+def init_fsdp_root(module: torch.nn.Module) -> None:
+    """Make the FSDP2 unit ``module`` the root of the units inside it now, as its first forward would: so that
+    :func:`reduce_fsdp_grads` reduces it alike on every replica, whether or not it ran there (a head on the first
+    stage, an expert no sample reached)."""
+    from torch.distributed.fsdp import fully_shard
+
+    fully_shard.state(module)._lazy_init()  # type: ignore[attr-defined]
 
 
 def unsharded_class(cls: type) -> type:

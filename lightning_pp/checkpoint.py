@@ -125,9 +125,9 @@ class StageCheckpoints:
     """Saving and loading one rank's part of a pipelined module, in either format.
 
     ``"full"``: the stages' state is gathered on global rank 0 (over ``object_group``) into the single-device layout,
-    so plain Lightning loads the file. ``"sharded"``: a folder with one file per stage (from lane 0) and the rest of
-    the checkpoint in ``checkpoint.pt``. Both load on any number of stages, as do single-device checkpoints, because
-    everything is matched by name.
+    so plain Lightning loads the file. ``"sharded"``: torch's distributed checkpoint, every rank writing its shards,
+    and the rest of the checkpoint in ``checkpoint.pt``. Both load on any number of stages, replicas and
+    tensor-parallel ranks, as do single-device checkpoints, because everything is matched by name.
 
     ``not_on_last()`` names the state entries the last stage does not hold (weights used before the blocks only, see
     ``outside_weights``); ``object_group()`` is the group for object collectives now (None: the default group; after
@@ -145,6 +145,7 @@ class StageCheckpoints:
         self.world, self.rank, self.stage, self.lane, self.num_stages = world, rank, stage, lane, num_stages
         self.rank_of = rank_of
         self.object_group = object_group
+        self._not_on_last: set[str] | None = None  # not_on_last(), read once per state
         self.device = device
 
     def _name_of(self) -> dict[int, str]:
@@ -167,12 +168,17 @@ class StageCheckpoints:
         head, say) run only on the last stage, which also runs those before it, so its copies are current. Blocks
         sharded over the replicas or tensor-parallel ranks are gathered whole (every lane of the stage calls this).
         """
+        self._not_on_last = None
+        return {k: v.detach().cpu() for k, v in full_tensors(self.module.state_dict()).items() if self._owns(k)}
+
+    def _owns(self, key: str) -> bool:
+        """Whether this stage writes the state entry ``key`` (see :meth:`own_state`)."""
         view = self.partition.view
-        prefix = view.container_name + "."
-        last = view.num_stages - 1 in view.stages
-        elsewhere = self.not_on_last() if not last else set()
-        return {k: v.detach().cpu() for k, v in full_tensors(self.module.state_dict()).items()
-                if k.startswith(prefix) or last or k in elsewhere}
+        if key.startswith(view.container_name + ".") or view.num_stages - 1 in view.stages:
+            return True
+        if self._not_on_last is None:
+            self._not_on_last = self.not_on_last()
+        return key in self._not_on_last
 
     def module_state(self, checkpoint_format: str) -> dict[str, Any]:
         """What a checkpoint of ``checkpoint_format`` holds of the module on this rank: the whole module's state on
@@ -185,12 +191,8 @@ class StageCheckpoints:
 
     def _written_state(self) -> dict[str, Any]:
         """The entries :meth:`own_state` selects, as they are (a sharded tensor: this rank's shard of it)."""
-        view = self.partition.view
-        prefix = view.container_name + "."
-        last = view.num_stages - 1 in view.stages
-        elsewhere = self.not_on_last() if not last else set()
-        return {k: v.detach() for k, v in self.module.state_dict().items()
-                if k.startswith(prefix) or last or k in elsewhere}
+        self._not_on_last = None
+        return {k: v.detach() for k, v in self.module.state_dict().items() if self._owns(k)}
 
     def full_state_dict(self) -> dict[str, Any]:
         """The whole module's state on global rank 0 (empty elsewhere), in the single-device key order."""
@@ -217,6 +219,7 @@ class StageCheckpoints:
         tensors keyed by parameter name (one copy of each, whichever ranks hold it), the optimizers' hyper-parameters
         and parameter names per stage; the rest of the checkpoint in ``checkpoint.pt`` from global rank 0."""
         import torch.distributed.checkpoint as dcp
+        from torch.distributed.checkpoint import DefaultSavePlanner
 
         os.makedirs(folder, exist_ok=True)
         written: dict[str, Any] = {f"{_MODEL}.{k}": v for k, v in checkpoint["state_dict"].items()}
@@ -224,9 +227,16 @@ class StageCheckpoints:
             # one object (a tuple is not flattened into keys): the same on every rank of the stage
             written[f"{_OPTIMIZER}.{i}.stage{self.stage}"] = (named["groups"], named["names"])
             for name, value in named["state"].items():
-                for key, tensor in value.items():
-                    written[f"{_OPTIMIZER}.{i}.state.{name}.{key}"] = tensor
-        dcp.save(written, checkpoint_id=folder, process_group=self.object_group())
+                for key, entry in value.items():
+                    if isinstance(entry, (Mapping, list, tuple)):
+                        raise PipelineConfigError(
+                            f"The optimizer's state `{key}` of `{name}` is a {type(entry).__name__}; the sharded "
+                            f"format stores tensors and plain values per parameter. Use "
+                            f"PipelineParallelStrategy(checkpoint_format='full') with this optimizer.")
+                    written[f"{_OPTIMIZER}.{i}.state.{name}.{key}"] = entry
+        # a copy several ranks hold is written by the lowest (replica 0, as the full format's)
+        dcp.save(written, checkpoint_id=folder, planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
+                 process_group=self.object_group())
         if self.rank == 0:
             meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
             meta["lightning_pp"] = {"format": "sharded", "num_stages": self.num_stages,
@@ -236,15 +246,22 @@ class StageCheckpoints:
     def load_sharded(self, folder: str, weights_only: bool, optimizers: Sequence[Any]) -> dict[str, Any]:
         """A sharded checkpoint as one checkpoint, read straight into this rank's shards (any number of stages,
         replicas and tensor-parallel ranks wrote it): its module entries, and each optimizer's state named, with
-        every stage's parameter names merged."""
+        every stage's parameter names merged. (``weights_only`` applies to ``checkpoint.pt``; torch's distributed
+        checkpoint reads the rest itself.)"""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import DefaultLoadPlanner, FileSystemReader
+        from torch.distributed.checkpoint import BytesStorageMetadata, DefaultLoadPlanner, FileSystemReader
 
+        if not os.path.exists(os.path.join(folder, ".metadata")):
+            raise PipelineConfigError(
+                f"{folder} is not a sharded checkpoint of this version (torch's distributed checkpoint: a `.metadata` "
+                f"file beside `checkpoint.pt`); folders of per-stage files come from an earlier lightning_pp. Load it "
+                f"with that version and save it with checkpoint_format='full'.")
         checkpoint = torch.load(os.path.join(folder, "checkpoint.pt"), map_location="cpu", weights_only=weights_only)
         saved = checkpoint["lightning_pp"]
         stored = FileSystemReader(folder).read_metadata().state_dict_metadata
-        module_state = {k: v for k, v in self.module.state_dict().items() if f"{_MODEL}.{k}" in stored}
-        target: dict[str, Any] = {f"{_MODEL}.{k}": v for k, v in module_state.items()}
+        local = self.module.state_dict()
+        module_keys = [k for k in local if f"{_MODEL}.{k}" in stored]
+        target: dict[str, Any] = {f"{_MODEL}.{k}": local[k] for k in module_keys}
         params = dict(self.module.named_parameters())
         states: list[dict[str, Any]] = []
         for i in range(saved.get("optimizers", 0) if optimizers else 0):
@@ -252,23 +269,28 @@ class StageCheckpoints:
             prefix = f"{_OPTIMIZER}.{i}.state."
             for stored_key in (k for k in stored if k.startswith(prefix)):
                 name, _, key = stored_key[len(prefix):].rpartition(".")
-                param = params.get(name)
+                param, meta = params.get(name), stored[stored_key]
                 if param is None:  # another stage's
                     continue
-                shape = tuple(stored[stored_key].size)  # type: ignore[union-attr]
-                value = torch.zeros_like(param) if shape == tuple(param.shape) else torch.zeros(  # a step count
-                    shape, dtype=stored[stored_key].properties.dtype, device="cpu")  # type: ignore[union-attr]
+                value: Any = None  # a plain value: read as it was written
+                if not isinstance(meta, BytesStorageMetadata):
+                    shape = tuple(meta.size)
+                    # shaped like the weight: this rank's part of it; else (a step count) whole, on the host
+                    value = torch.zeros_like(param) if shape == tuple(param.shape) and key != "step" else torch.zeros(
+                        shape, dtype=meta.properties.dtype, device="cpu")
                 state.setdefault(name, {})[key] = target[stored_key] = value
             states.append(state)
             for stage in range(saved["num_stages"]):
                 target[f"{_OPTIMIZER}.{i}.stage{stage}"] = None
         dcp.load(target, checkpoint_id=folder, planner=DefaultLoadPlanner(allow_partial_load=True),
                  process_group=self.object_group())
-        checkpoint["state_dict"] = module_state  # read in place
+        checkpoint["state_dict"] = {k: target[f"{_MODEL}.{k}"] for k in module_keys}  # tensors read in place
         order = self.partition.full_param_order
         checkpoint["optimizer_states"] = [
             {**merge_named([dict(zip(("groups", "names"), target[f"{_OPTIMIZER}.{i}.stage{stage}"], strict=True),
-                                 state={}) for stage in range(saved["num_stages"])], order), "state": state}
+                                 state={}) for stage in range(saved["num_stages"])], order),
+             "state": {name: {key: target[f"{_OPTIMIZER}.{i}.state.{name}.{key}"] for key in value}
+                       for name, value in state.items()}}  # plain values as read
             for i, state in enumerate(states)]
         return checkpoint
 

@@ -17,7 +17,7 @@ from torch.optim import Optimizer
 
 from lightning_pp import _compat
 from lightning_pp._device import synchronize_device
-from lightning_pp.sharding import local, sharded_over_replicas
+from lightning_pp.sharding import local, placed_like, sharded_over_replicas
 from lightning_pp.topology import StageGroups
 
 __all__ = ["PipelineGradients", "add_to_grads", "broadcast_tensors"]
@@ -59,9 +59,10 @@ class PipelineGradients:
     ``outside`` are the weights outside the blocks. Each is held by the pipeline positions in ``users[id(weight)]``
     (every position where absent: before :class:`~lightning_pp.model.placement.WeightPlacement` decides, or when all
     use it): its gradient is summed over those positions (a weight tied between the first and the last stage gets
-    both parts) and averaged over the replicas, in ``sharing_groups[positions]`` (the default group when every
-    position holds it). The stage's own parameters (its blocks) are averaged over the replicas of the stage, as DDP
-    averages. All in buckets of at most ``bucket_bytes``, each all-reduced while the next is being packed.
+    both parts) and averaged over the replicas, in ``sharing_groups[positions]`` (``shard_peers`` when every position
+    holds it), by local shards under tensor parallelism. The stage's own parameters (its blocks) are averaged over the
+    replicas holding the same shard, as DDP averages; weights sharded over the replicas (FSDP2) are reduce-scattered
+    by their units instead. All in buckets of at most ``bucket_bytes``, each all-reduced while the next is packed.
     """
 
     def __init__(self, outside: list[nn.Parameter], groups: StageGroups, device: torch.device,
@@ -132,6 +133,10 @@ class PipelineGradients:
         by_positions: dict[frozenset[int], list[nn.Parameter]] = {}
         sharded_outside = []  # reduce-scattered over the replicas by the module's own FSDP units; held by every stage
         for p in params:
+            if isinstance(p.grad, DTensor) and not sharded_over_replicas(p):
+                # a replicated tensor-parallel weight (a sequence-parallel norm's) gets partial sums: summed here, over
+                # its tensor-parallel ranks (a collective of theirs, in parameter order)
+                p.grad = placed_like(p.grad, p)
             if sharded_over_replicas(p):
                 if id(p) in self.outside:
                     sharded_outside.append(p)
@@ -216,7 +221,7 @@ class PipelineGradients:
     def unscale_agreeing(self, scaler: torch.amp.GradScaler, unscale: Callable[[Optimizer], None],
                          optimizer: Optimizer) -> None:
         """Unscale, then make the inf/NaN verdict the same on every rank (the max over the world). Sharded gradients
-        (``data_parallel="fsdp"``) are unscaled by their local shards, after the whole ones: torch's unscale cannot
+        (FSDP2, tensor parallelism) are unscaled by their local shards, after the whole ones: torch's unscale cannot
         take both in one call."""
         sharded = [p for group in optimizer.param_groups for p in group["params"] if isinstance(p.grad, DTensor)]
         grads = [p.grad for p in sharded]

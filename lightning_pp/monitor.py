@@ -102,7 +102,8 @@ class PipelineMonitor(pl.Callback):
     timelines, stages x time; when the logger can take images) and, with ``trace_dir``, writes a Chrome-trace file
     ``pipeline_step{N}.json`` (one track per stage; open it in ui.perfetto.dev) and ``pipeline_step{N}.png``.
     Without a logger, a per-stage summary table is printed at the end of ``fit``. With data-parallel replicas, the
-    pipeline of replica 0 is measured (the others run the same schedule on other samples).
+    pipeline of lane 0 (replica 0, tensor-parallel rank 0) is measured (the others run the same schedule on other
+    samples or shards).
 
     Ranks on global rank 0's host share its clock (``time.perf_counter`` is the system-wide monotonic clock); those on
     other hosts are aligned to it once at the start of training, after a barrier (to within the barrier's exit skew,
@@ -228,7 +229,7 @@ class PipelineMonitor(pl.Callback):
         events, self._events = self._events, None
         grad_sync_ms, telemetry.last_grad_sync_ms = telemetry.last_grad_sync_ms, None
         step = trainer.global_step - 1  # the step that was just taken
-        # the pipeline of replica 0 (the others run the same schedule on other samples)
+        # the pipeline of lane 0 (the others run the same schedule on other samples or shards)
         rows = ([(e.stage, e.rank, str(e.action), e.category, e.start, e.end) for e in events]
                 if telemetry.lane == 0 else [])
         own_memory = self._stage_memory(telemetry, pl_module, meter) if telemetry.lane == 0 else {}

@@ -94,6 +94,10 @@ _DTENSORS = "dtensors"  # beside a structure's spec: [index, mesh dimension name
 
 def _placed(tensor: DTensor) -> list[Any]:
     """How to rebuild ``tensor`` from its local part: mesh dimension names, placements, shape, stride (JSON)."""
+    if not tensor.device_mesh.mesh_dim_names:
+        raise PipelineConfigError(
+            "A block handed the next block a DTensor on a mesh without dimension names, which the next stage cannot "
+            "find. Distribute it on the strategy's mesh (self.device_mesh['tensor_parallel']).")
     codes = []
     for placement in tensor.placements:
         if type(placement) is Shard:

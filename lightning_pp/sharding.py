@@ -119,6 +119,7 @@ class BlockSharding:
         unit.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
         self._accumulate_only(unit)
         if outermost:
+            _compat.init_fsdp_root(unit)
             self.blocks.append(unit)
 
     @staticmethod

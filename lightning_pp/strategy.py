@@ -64,16 +64,19 @@ class PipelineParallelStrategy(ParallelStrategy):
     step, with the blocks of other stages as stand-ins, and the last stage goes on to the loss. Gradients, the loss,
     logged values and evaluation results equal single-device training (see the README's "How it works").
 
-    With ``pipeline_parallel_size=P`` the world (``devices x num_nodes``) holds ``world / P`` data-parallel replicas of
-    the pipeline, each loading its own shard of the data; every stage's gradients are averaged over its replicas once
-    per optimizer step, as DDP does, or its blocks are sharded over them with FSDP2 (``data_parallel="fsdp"``).
-    Replicas of a stage sit on neighbouring ranks (:attr:`layout`, :attr:`device_mesh`). A module built under
-    ``trainer.init_module(empty_init=True)`` is on the meta device: each rank materializes only what it holds.
+    With ``pipeline_parallel_size=P`` and ``tensor_parallel_size=T`` the world (``devices x num_nodes``) holds
+    ``world / (P x T)`` data-parallel replicas of the pipeline, each loading its own shard of the data; every stage's
+    gradients are averaged over its replicas once per optimizer step, as DDP does, or its blocks are sharded over them
+    with FSDP2 (``data_parallel="fsdp"``). Each stage is split over T ranks by the tensor-parallel plan the module
+    applies in ``configure_model``. Tensor-parallel ranks, then replicas, of a stage sit on neighbouring ranks
+    (:attr:`layout`, :attr:`device_mesh`). A module built under ``trainer.init_module(empty_init=True)`` is on the meta
+    device: each rank materializes only what it holds.
 
     Raises:
         PipelineConfigError: for an argument of the wrong type or value, a world size that is not a multiple of
-            ``pipeline_parallel_size``, a ``balance`` that does not fit the container or the number of stages, a
-            module without a block container, or manual optimization.
+            ``pipeline_parallel_size x tensor_parallel_size``, sharding the pipeline cannot run, a ``balance`` that
+            does not fit the container or the number of stages, a module without a block container, or manual
+            optimization.
 
     Example:
         ``trainer = L.Trainer(accelerator="cpu", devices=2, strategy=PipelineParallelStrategy(schedule="1f1b"))``

@@ -37,7 +37,7 @@ class PipelineLayout:
     Example (4 ranks, 2 stages)::
 
         >>> layout = PipelineLayout(num_stages=2, num_replicas=2)
-        >>> layout.pipeline_ranks(1), layout.replica_ranks(1)
+        >>> layout.pipeline_ranks(1), layout.replica_ranks(2)
         ([1, 3], [2, 3])
     """
 

@@ -139,10 +139,13 @@ def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout
                    object_group: Any = None) -> StageAssembly:
     """Split ``module`` into this rank's stages of ``schedule`` (a later run on the same module keeps what the earlier
     one trained), create the groups, give what this rank holds of a meta-device build its storage, move it with
-    ``to_device``, and start every rank from the same weights: rank 0's outside the blocks and replica 0's blocks, as
-    DDP starts. ``place_where_used``: a training run that places the weights outside the blocks where they are used
-    (``outside_weights="where_used"``); ``sharding``: shard this rank's blocks over the stage's replicas (block by
-    block, so that no rank holds its stage whole at setup); ``object_group``: where refusals are agreed on."""
+    ``to_device``, and start every rank from the same weights, as DDP starts: outside the blocks, those of the rank
+    holding the same tensor-parallel shard on the first stage (global rank 0 without tensor parallelism); the blocks,
+    replica 0's. (Tensor-parallel ranks start alike by building alike: seed every rank alike, as for Lightning's
+    ``ModelParallelStrategy``.) ``place_where_used``: a training run that places the weights outside the blocks where
+    they are used (``outside_weights="where_used"``); ``sharding``: shard this rank's blocks over the stage's replicas
+    (block by block, so that no rank holds its stage whole at setup) and run the FSDP2 units the module applied
+    itself; ``object_group``: where refusals are agreed on."""
     stage = layout.stage_of(rank)
     earlier = _EARLIER_RUNS.get(module)
     fresh = earlier is None
@@ -175,8 +178,6 @@ def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout
         for name, _ in partition.view.named_local_blocks():  # block by block: a tensor-parallel one is made whole
             made += materialize(module, device, part=name)
         made += materialize(module, device)
-    if sharding is not None and fresh:
-        sharding.adopt_units(module, _pipeline_hooks_last, outside=partition.view.container_name)
     # each tensor-parallel shard's values come from the rank holding the same shard: `shard_peers`, `replica_root`
     tp = layout.tensor_parallel_rank_of(rank)
     placement = earlier.placement
@@ -184,6 +185,8 @@ def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout
         placement.restore(lambda tensors, position: broadcast_tensors(tensors, layout.rank(position, tp),
                                                                       groups.shard_peers, device))
     to_device()
+    if sharding is not None and fresh:  # on the device: adopting a unit initializes it
+        sharding.adopt_units(module, _pipeline_hooks_last, outside=partition.view.container_name)
     shared, shared_buffers = partition.shared_tensors(module)
     if layout.world_size > layout.tensor_parallel and fresh:
         # later runs: the placement's restore above brought each weight back from a rank that held it; a head's
