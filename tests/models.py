@@ -10,7 +10,8 @@ import torch
 from lightning.pytorch.loggers import Logger
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from torch import nn
-from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel
+from torch.distributed.tensor import Replicate, Shard
+from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
 from torch.utils.data import DataLoader, TensorDataset
 from torchmetrics import Metric
 
@@ -992,6 +993,48 @@ class WideTensorParallel(TensorParallelPlanOnly):
         self.head = nn.Linear(width, 5)
 
 
+class NormedFeedForward(FeedForward):
+    """A pre-norm MLP block: ``x + down(tanh(up(norm(x))))``."""
+
+    def __init__(self, dim: int, hidden: int) -> None:
+        super().__init__(dim, hidden)
+        self.norm = nn.LayerNorm(dim)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x + self.down(torch.tanh(self.up(self.norm(x))))
+
+
+class SequenceParallelMLP(TensorParallelPlanOnly):
+    """Sequence parallelism as Megatron and torchtitan use it: between blocks each tensor-parallel rank holds its part
+    of the sequence; a block's norm runs on that part (its replicated weight gets partial-sum gradients), ``up``
+    gathers the sequence, ``down`` reduce-scatters it. The step cuts the sequence before the blocks and gathers it
+    after them; on one device it runs unsplit."""
+
+    def __init__(self, in_features: int = 5, dim: int = 16, classes: int = 5) -> None:
+        super().__init__()
+        self.inp = nn.Linear(in_features, dim)
+        self.blocks = nn.ModuleList(NormedFeedForward(dim, 2 * dim) for _ in range(4))
+        self.head = nn.Linear(dim, classes)
+        self.plan = {"norm": SequenceParallel(), "up": ColwiseParallel(input_layouts=Shard(1)),
+                     "down": RowwiseParallel(output_layouts=Shard(1))}
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        x, y = batch
+        hidden = self.inp(x.view(x.shape[0], 2, 5))  # a sequence of 2 positions per sample
+        mesh = self.device_mesh["tensor_parallel"] if self.device_mesh is not None else None
+        if mesh is not None:  # this rank's part of the sequence (its gradient gathered back in backward)
+            hidden = DTensor.from_local(hidden, mesh, [Replicate()]).redistribute(mesh, [Shard(1)]).to_local()
+        for block in self.blocks:
+            hidden = block(hidden)
+        if mesh is not None:
+            hidden = DTensor.from_local(hidden, mesh, [Shard(1)]).full_tensor()
+        loss = nn.functional.cross_entropy(self.head(hidden.mean(dim=1)), y)
+        self.log("train_loss", loss)
+        return loss
+
+
 class LlamaTensorParallel(L.LightningModule):
     """Hugging Face ``LlamaForCausalLM`` from a small config (grouped-query attention, rotary embeddings computed
     before the layers), unmodified, with the usual Megatron plan applied to each layer in ``configure_model``; on one
@@ -1028,6 +1071,7 @@ class LlamaTensorParallel(L.LightningModule):
 
 MODELS["tp_mlp"] = TensorParallelMLP
 MODELS["llama_tp"] = LlamaTensorParallel
+MODELS["sp_mlp"] = SequenceParallelMLP
 MODELS["wide_tp"] = WideTensorParallel
 MODELS["tp_mlp_plan_only"] = TensorParallelPlanOnly
 MODELS["tp_fully_shards_its_model"] = FullyShardsItsModel

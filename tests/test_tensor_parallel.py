@@ -79,14 +79,15 @@ def job8(checkpoints: Path) -> list[RankResult]:
     """8 processes, 2 stages x 2 replicas x 2 tensor-parallel ranks: the plan alone with ddp, and with fsdp (2-D: FSDP2
     over the replicas of tensor-parallel blocks) saving a sharded checkpoint; the modules that apply FSDP2 themselves,
     built normally and (TensorParallelMLP) on the meta device; a meta build of the plan alone with fsdp, not trained
-    (its initial values)."""
+    (its initial values); sequence parallelism with ddp, every replica loading the same batches."""
     runs = [pipelined(trainer=ACCUMULATED, model="tp_mlp_plan_only"),
             pipelined(trainer=ACCUMULATED, model="tp_mlp_plan_only", data_parallel="fsdp",
                       save_to=str(checkpoints / "sharded"), checkpoint_format="sharded"),
             pipelined(trainer=ACCUMULATED),
             pipelined(trainer=ACCUMULATED, model="tp_fully_shards_its_model"),
             pipelined(trainer={"meta": True, **ACCUMULATED}),
-            pipelined(trainer={"meta": True}, model="tp_mlp_plan_only", data_parallel="fsdp", max_steps=0)]
+            pipelined(trainer={"meta": True}, model="tp_mlp_plan_only", data_parallel="fsdp", max_steps=0),
+            pipelined(trainer=OWN_LOADER, model="sp_mlp")]
     return launch(STAGES * REPLICAS * TP, runs, timeout=300)
 
 
@@ -96,7 +97,7 @@ def job4(checkpoints: Path, job8: list[RankResult]) -> list[RankResult]:
     zb_h1, interleaved 1F1B, clipping by the global norm; the 8-process job's sharded checkpoint resumed here (no step
     left: its weights); tensor_parallel_size with a module that applies no plan; blocks that hand each other DTensors;
     the sharded checkpoint resumed at 2 stages x 2 replicas without tensor parallelism; Hugging Face's Llama with its
-    layers split."""
+    layers split; sequence parallelism."""
     runs = [{"scenario": "meta_memory", "kwargs": {"model": "wide_tp", "pipeline_parallel_size": STAGES,
                                                    "tensor_parallel_size": TP}},  # first: in fresh processes
             pipelined(trainer=OWN_LOADER, save_to=str(checkpoints / "full.ckpt")),
@@ -108,7 +109,8 @@ def job4(checkpoints: Path, job8: list[RankResult]) -> list[RankResult]:
                                                     "tensor_parallel_size": TP}},
             pipelined(trainer=OWN_LOADER, model="hands_on_dtensors"),
             pipelined(ckpt_path=str(checkpoints / "sharded"), tensor_parallel_size=1),
-            pipelined(trainer=OWN_LOADER, model="llama_tp", microbatches=4)]
+            pipelined(trainer=OWN_LOADER, model="llama_tp", microbatches=4),
+            pipelined(trainer=OWN_LOADER, model="sp_mlp")]
     return launch(STAGES * TP, runs, timeout=240)
 
 
@@ -233,3 +235,16 @@ def test_hugging_face_llama_split_by_tensor_parallelism_trains_as_one_device(job
     module, logger = fit("llama_tp", **OWN_LOADER)
     full, history = assemble(ok(job4, 9), 9)
     assert_matches(full, history, {"state": module.state_dict(), "history": logger.history}, "Llama pp2 x tp2")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_sequence_parallel_blocks_train_as_one_device(job4: list[RankResult], job8: list[RankResult]) -> None:
+    """Blocks whose norm runs on each rank's part of the sequence (its replicated weight gets partial-sum gradients,
+    summed over the tensor-parallel ranks before the replicas' average and the optimizer): 2 stages x 2
+    tensor-parallel ranks, and x 2 replicas loading the same batches, equal one device."""
+    module, logger = fit("sp_mlp", **OWN_LOADER)
+    expected = {"state": module.state_dict(), "history": logger.history}
+    for ranks, index, label in ((job4, 10, "pp2 x tp2"), (job8, 6, "pp2 x dp2 x tp2")):
+        full, history = assemble(ok(ranks, index), index)
+        assert_matches(full, history, expected, f"sequence parallel, {label}")
