@@ -161,11 +161,7 @@ def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout
         partition.view.checkpoint_blocks(recompute_every)
     sharding = sharding if earlier.sharding is None else None  # a later run keeps the earlier run's shards
     if sharding is not None:  # before any collective: a stage that cannot be sharded fails every rank
-        report = shared_block_weights(partition.view.named_local_blocks(), partition.shared_tensors(module)[0])
-        failed = gather_reports(f"stage {stage} (rank {rank}): {report}" if report else None, layout.world_size,
-                                object_group)
-        if failed:
-            raise PipelineConfigError("; ".join(failed))
+        _refuse_unshardable(module, partition, layout, rank, object_group)
     groups = create_groups(layout, rank, new_group, p2p_groups=2 if schedule.stages_per_rank == 1 else 4,
                            last_position=schedule.stage_to_rank[-1])
     if rank == 0 and layout.lanes > 1:
@@ -188,20 +184,7 @@ def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout
     if sharding is not None and fresh:  # on the device: adopting a unit initializes it
         sharding.adopt_units(module, _pipeline_hooks_last, outside=partition.view.container_name)
     shared, shared_buffers = partition.shared_tensors(module)
-    if layout.world_size > layout.tensor_parallel and fresh:
-        # later runs: the placement's restore above brought each weight back from a rank that held it; a head's
-        # buffers stay current where it ran. Weights sharded over the replicas (by the module's own FSDP units) agree
-        # along each lane.
-        whole = [t for t in (*shared, *shared_buffers) if not sharded_over_replicas(t)]
-        broadcast_tensors(whole, tp, groups.shard_peers, device)
-        if layout.num_stages > 1:
-            sharded = [t for t in (*shared, *shared_buffers) if sharded_over_replicas(t)]
-            broadcast_tensors(sharded, layout.rank(0, layout.lane_of(rank)), groups.pipeline, device)
-    if layout.num_replicas > 1:
-        everywhere = {id(t) for t in (*shared, *shared_buffers)}
-        own = [t for t in (*module.parameters(), *module.buffers())  # sharded ones started alike (_shard)
-               if id(t) not in everywhere and not sharded_over_replicas(t)]
-        broadcast_tensors(own, groups.replica_root, groups.replicas, device)
+    _start_alike(module, [*shared, *shared_buffers], groups, device, outside_too=fresh)
     # weights outside the blocks sharded over the replicas stay on every stage: their units hold them
     place_where_used = place_where_used and not any(sharded_over_replicas(p) for p in shared)
     if place_where_used and placement is None:
@@ -209,6 +192,37 @@ def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout
     partition.view.pass_context = placement.reads if placement is not None else contextlib.nullcontext
     return StageAssembly(partition, groups, shared, PipelineGradients(shared, groups, device), placement,
                          place_where_used, earlier.sharding, made)
+
+
+def _refuse_unshardable(module: nn.Module, partition: Partition, layout: PipelineLayout, rank: int,
+                        object_group: Any) -> None:
+    """Blocks of any stage that cannot each be their own FSDP2 unit (a shared weight) fail every rank."""
+    report = shared_block_weights(partition.view.named_local_blocks(), partition.shared_tensors(module)[0])
+    where = f"stage {layout.stage_of(rank)} (rank {rank})"
+    failed = gather_reports(f"{where}: {report}" if report else None, layout.world_size, object_group)
+    if failed:
+        raise PipelineConfigError("; ".join(failed))
+
+
+def _start_alike(module: nn.Module, outside: list[Tensor], groups: StageGroups, device: torch.device,
+                 *, outside_too: bool) -> None:
+    """Broadcast what every rank must start from alike, as DDP starts: (``outside_too``: a first run) the tensors
+    ``outside`` the blocks from the first stage's rank holding the same tensor-parallel shard, those sharded over the
+    replicas (by the module's own FSDP2 units) along each lane; this rank's other tensors (its blocks) from replica 0.
+    (A later run's placement brought each outside weight back from a rank that held it; a head's buffers stay current
+    where it ran.)"""
+    layout, rank = groups.layout, groups.rank
+    if outside_too and layout.world_size > layout.tensor_parallel:
+        whole = [t for t in outside if not sharded_over_replicas(t)]
+        broadcast_tensors(whole, layout.tensor_parallel_rank_of(rank), groups.shard_peers, device)
+        if layout.num_stages > 1:
+            sharded = [t for t in outside if sharded_over_replicas(t)]
+            broadcast_tensors(sharded, layout.rank(0, layout.lane_of(rank)), groups.pipeline, device)
+    if layout.num_replicas > 1:
+        everywhere = {id(t) for t in outside}
+        own = [t for t in (*module.parameters(), *module.buffers())  # sharded ones started alike (_shard)
+               if id(t) not in everywhere and not sharded_over_replicas(t)]
+        broadcast_tensors(own, groups.replica_root, groups.replicas, device)
 
 
 def _shard(module: nn.Module, partition: Partition, sharding: BlockSharding, groups: StageGroups,
