@@ -94,7 +94,7 @@ class BlockSharding:
         from torch.distributed.fsdp import fully_shard
 
         fully_shard(block, mesh=self.mesh, mp_policy=self.mp_policy)
-        self.adopt(block, last)
+        self.adopt(block, last, initialize=False)  # every replica runs it each step: its first forward initializes it
 
     def adopt_units(self, module: nn.Module, last: Callable[[Any], bool], within: str | None = None,
                     outside: str | None = None) -> bool:
@@ -111,15 +111,17 @@ class BlockSharding:
             self.adopt(unit, last, outermost=not any(inside(name, other) for other, _ in units if other != name))
         return bool(chosen)
 
-    def adopt(self, unit: nn.Module, last: Callable[[Any], bool], outermost: bool = True) -> None:
+    def adopt(self, unit: nn.Module, last: Callable[[Any], bool], outermost: bool = True,
+              initialize: bool = True) -> None:
         """Run the FSDP2 unit ``unit`` as :meth:`shard` runs its own (``outermost``: not inside another unit, so that
-        :meth:`reduce_grads` reduces it)."""
+        :meth:`reduce_grads` reduces it; ``initialize``: now, as a root, since it may not run on every replica)."""
         _compat.move_forward_hooks_last(unit, last)
         # a weight unused on one replica (data-dependent routing) still takes part in the reduce-scatter, with zeros
         unit.set_reduce_scatter_unused_params(True)  # type: ignore[operator]
         self._accumulate_only(unit)
         if outermost:
-            _compat.init_fsdp_root(unit)
+            if initialize:
+                _compat.init_fsdp_root(unit)
             self.blocks.append(unit)
 
     @staticmethod

@@ -983,10 +983,10 @@ class HandsOnDTensors(TensorParallelPlanOnly):
 
 
 class WideTensorParallel(TensorParallelPlanOnly):
-    """512 MiB of fp32 weights: 16 residual blocks of two 2048 x 2048 layers, each split column- then row-wise (large
-    enough that the memory a rank holds shows above what its process groups take)."""
+    """1 GiB of fp32 weights: 32 residual blocks of two 2048 x 2048 layers, each split column- then row-wise (large
+    enough that the memory a rank holds shows well above the 60-90 MiB its process groups and allocator take)."""
 
-    def __init__(self, width: int = 2048, blocks: int = 16) -> None:
+    def __init__(self, width: int = 2048, blocks: int = 32) -> None:
         super().__init__()
         self.inp = nn.Linear(10, width)
         self.blocks = nn.ModuleList(FeedForward(width, width) for _ in range(blocks))

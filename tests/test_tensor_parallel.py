@@ -213,7 +213,7 @@ def test_blocks_handing_each_other_dtensors_train_as_one_device(job4: list[RankR
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_a_meta_build_takes_each_rank_its_share_of_memory(job4: list[RankResult]) -> None:
-    """`models.WideTensorParallel` (512 MiB of blocks) built on the meta device, 2 stages x 2 tensor-parallel ranks:
+    """`models.WideTensorParallel` (1 GiB of blocks) built on the meta device, 2 stages x 2 tensor-parallel ranks:
     each rank holds a quarter of the blocks, and its peak memory grows by less than half the model before training
     (each layer is made whole, initialized and cut in turn: 16 MiB at a time)."""
     for rank, result in enumerate(ok(job4, 0)):
