@@ -145,7 +145,6 @@ class StageCheckpoints:
         self.world, self.rank, self.stage, self.lane, self.num_stages = world, rank, stage, lane, num_stages
         self.rank_of = rank_of
         self.object_group = object_group
-        self._not_on_last: set[str] | None = None  # not_on_last(), read once per state
         self.device = device
 
     def _name_of(self) -> dict[int, str]:
@@ -168,17 +167,14 @@ class StageCheckpoints:
         head, say) run only on the last stage, which also runs those before it, so its copies are current. Blocks
         sharded over the replicas or tensor-parallel ranks are gathered whole (every lane of the stage calls this).
         """
-        self._not_on_last = None
-        return {k: v.detach().cpu() for k, v in full_tensors(self.module.state_dict()).items() if self._owns(k)}
+        return {k: v.detach().cpu() for k, v in self._owned(full_tensors(self.module.state_dict())).items()}
 
-    def _owns(self, key: str) -> bool:
-        """Whether this stage writes the state entry ``key`` (see :meth:`own_state`)."""
+    def _owned(self, state: Mapping[str, Any]) -> dict[str, Any]:
+        """The entries of ``state`` this stage writes (see :meth:`own_state`)."""
         view = self.partition.view
-        if key.startswith(view.container_name + ".") or view.num_stages - 1 in view.stages:
-            return True
-        if self._not_on_last is None:
-            self._not_on_last = self.not_on_last()
-        return key in self._not_on_last
+        prefix, last = view.container_name + ".", view.num_stages - 1 in view.stages
+        elsewhere = self.not_on_last() if not last else set()
+        return {k: v for k, v in state.items() if k.startswith(prefix) or last or k in elsewhere}
 
     def module_state(self, checkpoint_format: str) -> dict[str, Any]:
         """What a checkpoint of ``checkpoint_format`` holds of the module on this rank: the whole module's state on
@@ -191,8 +187,7 @@ class StageCheckpoints:
 
     def _written_state(self) -> dict[str, Any]:
         """The entries :meth:`own_state` selects, as they are (a sharded tensor: this rank's shard of it)."""
-        self._not_on_last = None
-        return {k: v.detach() for k, v in self.module.state_dict().items() if self._owns(k)}
+        return {k: v.detach() for k, v in self._owned(self.module.state_dict()).items()}
 
     def full_state_dict(self) -> dict[str, Any]:
         """The whole module's state on global rank 0 (empty elsewhere), in the single-device key order."""
