@@ -74,6 +74,8 @@ class PipelineGradients:
         self.users: dict[int, frozenset[int]] = {}
         self.sharing_groups: dict[frozenset[int], Any] = {}  # those this rank belongs to
         self.sharing_sets: set[frozenset[int]] = set()  # every set with a group (created by every rank)
+        self.lane_sharing_groups: dict[frozenset[int], Any] = {}  # the same along this rank's lane only
+        self.lane_sharing_sets: set[frozenset[int]] = set()
         self.every_position = frozenset(range(groups.layout.num_stages))
         self.last_bytes = 0  # gradient bytes this rank all-reduced in the latest synchronize
         self._installed: list[Callable[[], None]] = []  # what puts back what install replaced
@@ -131,19 +133,21 @@ class PipelineGradients:
         if layout.world_size == 1:
             return
         by_positions: dict[frozenset[int], list[nn.Parameter]] = {}
-        sharded_outside = []  # reduce-scattered over the replicas by the module's own FSDP units; held by every stage
+        # outside the blocks, reduce-scattered over the replicas by FSDP2 units: summed along the lane by their holders
+        sharded_outside: dict[frozenset[int], list[nn.Parameter]] = {}
         for p in params:
             if isinstance(p.grad, DTensor) and not sharded_over_replicas(p):
                 # a replicated tensor-parallel weight (a sequence-parallel norm's) gets partial sums: summed here, over
                 # its tensor-parallel ranks (a collective of theirs, in parameter order)
                 p.grad = placed_like(p.grad, p)
             if sharded_over_replicas(p):
-                if id(p) in self.outside:
-                    sharded_outside.append(p)
+                if id(p) in self.outside and len(self.positions_of(p)) > 1:
+                    sharded_outside.setdefault(self.positions_of(p), []).append(p)
                 continue
             by_positions.setdefault(self.positions_of(p), []).append(p)
-        if sharded_outside and layout.num_stages > 1:
-            self._all_reduce(self._used(sharded_outside, self.groups.pipeline), self.groups.pipeline, 1)
+        for positions in sorted(sharded_outside, key=lambda s: (-len(s), sorted(s))):
+            group = self.groups.pipeline if positions == self.every_position else self.lane_sharing_groups[positions]
+            self._all_reduce(self._used(sharded_outside[positions], group), group, 1)
         for positions in sorted(by_positions, key=lambda s: (-len(s), sorted(s))):
             if len(positions) == 1:
                 if replicas > 1:
@@ -191,6 +195,12 @@ class PipelineGradients:
                 size += local(p).numel() * p.element_size()
             if bucket:
                 yield bucket
+
+    def replace_weights(self, replacements: dict[int, nn.Parameter]) -> None:
+        """Follow weights outside the blocks replaced by new objects (``id`` of the old one -> the new one)."""
+        self.outside = {id(replacements[key]) if key in replacements else key for key in self.outside}
+        for key in [key for key in self.users if key in replacements]:
+            self.users[id(replacements[key])] = self.users.pop(key)
 
     def clip_by_global_norm(self, params: Iterable[nn.Parameter], clip_val: float) -> None:
         """``clip_grad_norm_`` over the whole pipeline: squared norms summed over stages, each weight counted once (by

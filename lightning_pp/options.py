@@ -129,8 +129,10 @@ class PipelineOptions:
     ``"ddp"``: each replica holds them whole and their gradients are averaged once per optimizer step, as DDP does.
     ``"fsdp"``: each block is sharded over the replicas with torch's FSDP2 (``fully_shard``): a replica keeps 1/D of
     the blocks' weights, gradients and optimizer state, gathers a block's weights for its passes, and the gradients are
-    reduce-scattered once per optimizer step (after the last micro-batch, honouring ``accumulate_grad_batches``). The
-    weights outside the blocks stay whole on the ranks that use them (``outside_weights``). FSDP2 units the module
+    reduce-scattered once per optimizer step (after the last micro-batch, honouring ``accumulate_grad_batches``). Once
+    the first training step placed the weights outside the blocks (``outside_weights="where_used"``), those each rank
+    holding them reads only inside their module's forward are sharded the same way on the ranks that use them (see
+    :meth:`~lightning_pp.model.placement.WeightPlacement.shardable`); the others stay whole. FSDP2 units the module
     applies itself in ``configure_model`` (``fully_shard(..., mesh=self.device_mesh["data_parallel"])``) are run the
     same way whichever is chosen."""
     tensor_parallel_size: int = 1

@@ -13,7 +13,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
-from torch.distributed.tensor import DTensor, distribute_tensor
+from torch.distributed.tensor import DTensor, Shard, distribute_tensor
 
 from lightning_pp import _compat
 from lightning_pp.errors import PipelineConfigError
@@ -75,6 +75,7 @@ class BlockSharding:
         self.shard_blocks = shard_blocks  # whether blocks the module did not shard itself are sharded
         self.blocks: list[nn.Module] = []  # the units reduced at the optimizer step: none inside another
         self.mp_policy = mixed_precision_policy(precision)
+        self.adopted_outside = False  # whether the module sharded weights outside the blocks itself
 
     @classmethod
     def over(cls, job_mesh: Any, shard_blocks: bool, module: nn.Module, precision: str) -> BlockSharding | None:
@@ -109,6 +110,8 @@ class BlockSharding:
                   if (within is None or inside(name, within)) and (outside is None or not inside(name, outside))]
         for name, unit in chosen:
             self.adopt(unit, last, outermost=not any(inside(name, other) for other, _ in units if other != name))
+        if outside is not None:
+            self.adopted_outside = bool(chosen)
         return bool(chosen)
 
     def adopt(self, unit: nn.Module, last: Callable[[Any], bool], outermost: bool = True,
@@ -123,6 +126,44 @@ class BlockSharding:
             if initialize:
                 _compat.init_fsdp_root(unit)
             self.blocks.append(unit)
+
+    def shard_outside(self, modules: list[tuple[str, nn.Module]], bare: list[nn.Parameter],
+                      optimizers: list[torch.optim.Optimizer], last: Callable[[Any], bool]) -> dict[int, nn.Parameter]:
+        """Make ``modules`` (weights outside the blocks, innermost first; see
+        :meth:`~lightning_pp.model.placement.WeightPlacement.shardable`) FSDP2 units run as the blocks' are, and the
+        weights ``bare`` (held, not used) shards laid out as theirs, after a step's gradients were averaged whole: each
+        gradient, and each optimizer's state and parameter lists, become this rank's shards. Returns the new parameters
+        by ``id`` of those they replace (registering them in place of a bare weight is the caller's)."""
+        from torch.distributed.fsdp import fully_shard
+
+        replaced: dict[int, nn.Parameter] = {}
+        grads: list[tuple[nn.Parameter, Tensor | None]] = []
+        for p in bare:
+            shard = distribute_tensor(p.detach(), self.mesh, [Shard(0)], src_data_rank=None)
+            replaced[id(p)] = nn.Parameter(shard, requires_grad=p.requires_grad)
+            grads.append((replaced[id(p)], p.grad))
+        for path, module in modules:
+            before = {name: p for name, p in module.named_parameters() if not isinstance(p, DTensor)}
+            fully_shard(module, mesh=self.mesh, mp_policy=self.mp_policy)
+            after = dict(module.named_parameters())
+            for name, old in before.items():
+                replaced[id(old)] = after[name]
+                grads.append((after[name], old.grad))
+            inner = any(path.startswith(other + ".") for other, _ in modules if other)
+            self.adopt(module, last, outermost=not inner)
+        with torch.no_grad():
+            for new, grad in grads:
+                new.grad = shard_like(grad, new) if grad is not None else None
+        for optimizer in optimizers:
+            olds = {id(p): p for group in optimizer.param_groups for p in group["params"] if id(p) in replaced}
+            for group in optimizer.param_groups:
+                group["params"] = [replaced.get(id(p), p) for p in group["params"]]
+            for key, old in olds.items():
+                new, state = replaced[key], optimizer.state.pop(old, None)
+                if state is not None:  # a checkpoint's, restored before the first step
+                    optimizer.state[new] = {k: shard_like(v, new) if isinstance(v, Tensor) and v.shape == old.shape
+                                            else v for k, v in state.items()}
+        return replaced
 
     @staticmethod
     def _accumulate_only(block: Any) -> None:

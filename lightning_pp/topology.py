@@ -180,14 +180,18 @@ def create_groups(layout: PipelineLayout, rank: int, new_group: Callable[[list[i
 
 
 def create_sharing_groups(layout: PipelineLayout, position_sets: Iterable[frozenset[int]], rank: int,
-                          new_group: Callable[[list[int]], Any]) -> dict[frozenset[int], Any]:
-    """A group for each set of pipeline positions that share weights (with every replica of each; one per
-    tensor-parallel shard), created by every rank in one order; this rank keeps those it belongs to."""
+                          new_group: Callable[[list[int]], Any], across_replicas: bool = True
+                          ) -> dict[frozenset[int], Any]:
+    """A group for each set of pipeline positions that share weights (with every replica of each, one per
+    tensor-parallel shard; or, not ``across_replicas``, one per lane: for weights sharded over the replicas), created
+    by every rank in one order; this rank keeps those it belongs to."""
     mine: dict[frozenset[int], Any] = {}
+    tp_size = layout.tensor_parallel
+    lane_sets = ([[replica * tp_size + tp for replica in range(layout.num_replicas)] for tp in range(tp_size)]
+                 if across_replicas else [[lane] for lane in range(layout.lanes)])
     for positions in sorted(set(position_sets), key=sorted):
-        for tp in range(layout.tensor_parallel):
-            ranks = sorted(layout.rank(stage, replica * layout.tensor_parallel + tp) for stage in positions
-                           for replica in range(layout.num_replicas))
+        for lanes in lane_sets:
+            ranks = sorted(layout.rank(stage, lane) for stage in positions for lane in lanes)
             group = new_group(ranks)
             if rank in ranks:
                 mine[positions] = group

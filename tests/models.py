@@ -647,6 +647,13 @@ def whole(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor
 
 
+def local_numel(tensor: torch.Tensor) -> int:
+    """The elements of ``tensor`` this rank holds (a DTensor's: its shard's)."""
+    from torch.distributed.tensor import DTensor
+
+    return (tensor.to_local() if isinstance(tensor, DTensor) else tensor).numel()
+
+
 class AppliedGradientRecorder(L.Callback):
     """Keeps, at every optimizer step, the gradients ``optimizer.step`` applied and the weights they were computed at.
 
@@ -736,9 +743,36 @@ class TiedClassifierSGD(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.2, momentum=0.9)
 
 
+class _TransposedHead(nn.Module):
+    """A head computing with another module's weight (as Hugging Face ties ``lm_head.weight`` to the embedding's)."""
+
+    def __init__(self, weight: nn.Parameter) -> None:
+        super().__init__()
+        self.weight = weight
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x @ self.weight
+
+
+class TiedModulesSGD(TiedClassifierSGD):
+    """`TiedClassifierSGD` (the same weights, the same computation) with its tied weight registered in two modules,
+    each reading it in its own forward: the input projection, and a head module."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.head = _TransposedHead(self.inp.weight)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.head(self.norm(self.blocks(self.inp(x)))), y)
+        self.log("train_loss", loss)
+        return loss
+
+
 MODELS["mlp_sgd"] = MLPClassifierSGD
 MODELS["example_input"] = WithExampleInput
 MODELS["tied_sgd"] = TiedClassifierSGD
+MODELS["tied_modules_sgd"] = TiedModulesSGD
 
 
 class WeightDtypeRecorder(L.Callback):

@@ -18,7 +18,7 @@ import lightning as L
 import torch
 from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint
 from lightning.pytorch.utilities import grad_norm
-from models import MODELS, AppliedGradientRecorder, RecordingLogger, whole
+from models import MODELS, AppliedGradientRecorder, RecordingLogger, local_numel, whole
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
@@ -1119,6 +1119,7 @@ def run(name: str, strategy: Any = "auto", devices: int = 1, dirpath: str | None
         trainer.fit(module)
         result: dict[str, Any] = {
             "state": {k: whole(v).detach().clone() for k, v in module.state_dict().items()},
+            "local_numel": {name: local_numel(p) for name, p in module.named_parameters()},
             "history": logger.history,
             "grads": recorder.grads,
             "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},

@@ -91,7 +91,13 @@ CLIPPED = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm", "accumu
 # data_parallel="fsdp" (blocks sharded over the replicas): (model, schedule, trainer options); the first saves a full
 # checkpoint, the second a sharded one
 FSDP_RUNS = [("mlp_sgd", "1f1b", {}), ("mlp_sgd", "gpipe", {}), ("tied_sgd", "zb_h1", {}),
-             ("tied_sgd", "interleaved_1f1b", {}), ("tied_sgd", "1f1b", CLIPPED)]
+             ("tied_modules_sgd", "interleaved_1f1b", {}), ("tied_modules_sgd", "1f1b", CLIPPED)]
+# the weights outside the blocks that data_parallel="fsdp" shards (the rest stay whole where used): all of the MLP's;
+# of the tied models, the norm, and the tied projection where each end reads it in a module's forward (not where the
+# head reads `self.inp.weight` in training_step)
+SHARDED_OUTSIDE = {"mlp_sgd": {"inp.weight", "inp.bias", "head.weight", "head.bias"},
+                   "tied_sgd": {"norm.weight", "norm.bias"},
+                   "tied_modules_sgd": {"inp.weight", "inp.bias", "norm.weight", "norm.bias"}}
 FIRST_FSDP_RUN = CLIPPED_RUN + 1
 # pairs of runs that differ only in data_parallel ("ddp", "fsdp"): a meta build split unevenly, each rank seeded
 # differently, fp16 with a gradient scaler and value clipping; a fit then validate (a later run on the module)
@@ -199,9 +205,12 @@ def assert_replica_batches(ranks: list[RankResult], index: int, ddp_ranks: list[
 
 
 def assert_like_ddp(ranks: list[RankResult], index: int, ddp_ranks: list[RankResult], ddp_index: int, label: str,
-                    environment: str | None = None) -> None:
-    """A pipelined run against DDP: layout, batches per replica, weights (replicas bitwise equal), rank 0's log."""
+                    environment: str | None = None, tied: dict[str, str] | None = None) -> None:
+    """A pipelined run against DDP: layout, batches per replica, weights (replicas bitwise equal), rank 0's log.
+    ``tied``: names of the weight under another name in the pipelined model (not in DDP's): equal to it."""
     full, history = assemble(ranks, index)  # weights held by several ranks (replicas, shared) must agree exactly
+    for alias, name in (tied or {}).items():
+        assert torch.equal(full.pop(alias), full[name]), (label, alias, name)
     assert_layout(ranks, index, label, environment)
     assert_replica_batches(ranks, index, ddp_ranks, ddp_index, label)
     expected = ddp_reference(ddp_ranks, ddp_index)
@@ -284,16 +293,23 @@ def test_blocks_sharded_over_the_replicas_with_fsdp2_match_ddp(ddp_job: Job, pip
     ddp_ranks, ranks = ddp_job.get(), pipelined_job.get()
     for offset, (model, schedule, trainer) in enumerate(FSDP_RUNS):
         index, label = FIRST_FSDP_RUN + offset, f"fsdp {model} {schedule} {trainer} 2x2"
-        reference = DDP_RUNS["clipped"] if trainer else DDP_RUNS[model]
-        assert_like_ddp(ranks, index, ddp_ranks, reference, label)
+        reference = DDP_RUNS["clipped"] if trainer else DDP_RUNS[model.replace("tied_modules", "tied")]
+        assert_like_ddp(ranks, index, ddp_ranks, reference, label,
+                        tied={"head.weight": "inp.weight"} if model == "tied_modules_sgd" else None)
         full, _ = assemble(ranks, index)
         layout = PipelineLayout(STAGES, REPLICAS)
-        for stage in range(STAGES):  # a block weight's shards: one per replica, together the whole
+        for stage in range(STAGES):  # a sharded weight's shards: one per replica, together the whole
             numel = [ranks[layout.rank(stage, r)].results[index]["local_numel"] for r in range(REPLICAS)]
             blocks = [name for name in numel[0] if name.startswith(("layers.", "blocks.")) and "weight" in name]
             assert blocks, (label, sorted(numel[0]))
-            for name in blocks:
-                assert [n[name] for n in numel] == [full[name].numel() // REPLICAS] * REPLICAS, (label, name, numel)
+            outside = [name for name in numel[0] if not name.startswith(("layers.", "blocks."))]
+            assert outside, (label, sorted(numel[0]))
+            for name in blocks + outside:
+                sizes = [n[name] for n in numel]
+                if name in blocks or name in SHARDED_OUTSIDE[model]:
+                    assert sum(sizes) == full[name].numel() and max(sizes) < full[name].numel(), (label, name, sizes)
+                else:
+                    assert sizes == [full[name].numel()] * REPLICAS, (label, name, sizes)
     ours, theirs = (torch.load(checkpoints / "fsdp_full.ckpt", weights_only=True),
                     torch.load(checkpoints / "ddp.ckpt", weights_only=True))
     for name, value in theirs["state_dict"].items():

@@ -401,10 +401,22 @@ def test_generate_in_predict_step_and_in_a_hook(tmp_path: Path) -> None:
 @pytest.mark.timeout(420)
 def test_gpt2_blocks_sharded_with_fsdp2_train_as_ddp() -> None:
     """Hugging Face GPT-2 (Conv1D projections, head tied to the embedding, SGD) on 2 stages x 2 replicas with its
-    blocks sharded over the replicas (``data_parallel="fsdp"``), against Lightning's DDP on 2 processes: the same
-    losses, applied gradients (gathered whole) and weights."""
+    blocks and the weights outside them sharded over the replicas (``data_parallel="fsdp"``): the embeddings on the
+    first stage, the final norm on the last, and the tied embedding/head on both (each end computes with it in a
+    module's forward), against Lightning's DDP on 2 processes: the same losses, applied gradients (gathered whole) and
+    weights."""
     want = launch(2, [{"scenario": "train_real_ddp", "kwargs": {"model": "hf_gpt2_sgd"}}], timeout=150)
     assert not want[0].errors, want[0].errors
+    whole = want[0].results[0]["local_numel"]
+
+    def check(results: list[Result], label: str) -> None:
+        compare(results, want[0].results[0], label, True)
+        held = [result["local_numel"] for result in results]  # every rank's: stage 0's replicas, then stage 1's
+        assert {"model.transformer.wte.weight", "model.transformer.wpe.weight"} <= set(held[0]), held[0]
+        assert {"model.transformer.wte.weight", "model.transformer.ln_f.weight"} <= set(held[-1]), held[-1]
+        for stage_held in held:
+            for name, numel in stage_held.items():  # every weight, in the blocks or outside them, halved
+                assert numel <= (whole[name] + 1) // 2, (label, name, numel, whole[name])
+
     check_all(4, [job("hf_gpt2_sgd", schedule="1f1b", microbatches=2, pipeline_parallel_size=2,
-                      data_parallel="fsdp")],
-              [lambda results, label: compare(results, want[0].results[0], label, True)], timeout=200)
+                      data_parallel="fsdp")], [check], timeout=200)

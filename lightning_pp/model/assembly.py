@@ -36,7 +36,7 @@ from lightning_pp.topology import PipelineLayout, StageGroups, create_groups, cr
 
 __all__ = ["StageAssembly", "assemble_stage", "balance_for", "check_initialized", "is_assembled",
            "place_outside_weights", "placement_of", "refuse_manual_optimization", "refuse_unsupported",
-           "set_aside_example_input", "setup_optimizers_everywhere"]
+           "set_aside_example_input", "setup_optimizers_everywhere", "shard_outside_weights"]
 
 log = logging.getLogger(__name__)
 
@@ -59,7 +59,6 @@ class StageAssembly:
 
     partition: Partition
     groups: StageGroups
-    shared: list[nn.Parameter]  # the parameters outside the blocks (every rank holds them until placed)
     grads: PipelineGradients
     # where the weights outside the blocks are kept: this run's placement, or an earlier run's (None: on every rank)
     placement: WeightPlacement | None
@@ -67,6 +66,8 @@ class StageAssembly:
     sharding: BlockSharding | None = None  # the blocks sharded over the stage's replicas (data_parallel="fsdp")
     # the tensors a meta-device build made here, to be checked once a checkpoint had its chance to set them
     materialized: list[str] = field(default_factory=list)
+    # the modules outside the blocks to shard over the replicas once the placing step's gradients are averaged
+    to_shard: tuple[list[tuple[str, nn.Module]], list[nn.Parameter]] | None = None
 
     @property
     def placing(self) -> WeightPlacement | None:
@@ -185,12 +186,12 @@ def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout
         sharding.adopt_units(module, _pipeline_hooks_last, outside=partition.view.container_name)
     shared, shared_buffers = partition.shared_tensors(module)
     _start_alike(module, [*shared, *shared_buffers], groups, device, outside_too=fresh)
-    # weights outside the blocks sharded over the replicas stay on every stage: their units hold them
-    place_where_used = place_where_used and not any(sharded_over_replicas(p) for p in shared)
+    # weights outside the blocks the module sharded over the replicas itself stay on every stage: its units hold them
+    place_where_used = place_where_used and not (earlier.sharding is not None and earlier.sharding.adopted_outside)
     if place_where_used and placement is None:
         placement = earlier.placement = WeightPlacement(module, shared, stage, layout.num_stages)
     partition.view.pass_context = placement.reads if placement is not None else contextlib.nullcontext
-    return StageAssembly(partition, groups, shared, PipelineGradients(shared, groups, device), placement,
+    return StageAssembly(partition, groups, PipelineGradients(shared, groups, device), placement,
                          place_where_used, earlier.sharding, made)
 
 
@@ -262,9 +263,10 @@ def check_initialized(assembly: StageAssembly, module: nn.Module, layout: Pipeli
 
 
 def place_outside_weights(assembly: StageAssembly, optimizers: Sequence[Any], device: torch.device,
-                          new_group: Callable[[list[int]], Any]) -> list[nn.Parameter]:
+                          new_group: Callable[[list[int]], Any]) -> None:
     """After an observed step: keep each weight outside the blocks only where it is used, give the weights shared by
-    some stages (a tied embedding and head) a group to sum their gradients in, and return those this rank holds."""
+    some stages (a tied embedding and head) a group to sum their gradients in, and (``data_parallel="fsdp"``) choose
+    those to shard over the replicas (:func:`shard_outside_weights`)."""
     placement, grads, groups = assembly.placement, assembly.grads, assembly.groups
     assert placement is not None
     layout, rank = groups.layout, groups.rank
@@ -279,18 +281,44 @@ def place_outside_weights(assembly: StageAssembly, optimizers: Sequence[Any], de
         dist.all_gather(gathered, flags.to(device))
         return torch.stack(gathered).cpu()
 
+    def every_rank_agrees(flags: Tensor) -> Tensor:
+        flags = flags.to(device)
+        dist.all_reduce(flags, op=dist.ReduceOp.MIN)
+        return flags.cpu()
+
     lines = placement.decide(any_rank, every_rank, layout.stage_of, [getattr(o, "_optimizer", o) for o in optimizers])
+    sharding = assembly.sharding
+    if sharding is not None and sharding.shard_blocks:  # data_parallel="fsdp": what can be, sharded like the blocks
+        assembly.to_shard = placement.shardable(every_rank_agrees)
+        lines[0] += f"; {len(placement.sharded_weights())} of them sharded over the replicas (FSDP2)"
     log.info(lines[0])
     for line in lines[1:]:  # weights kept on a rank that does not use them: worth a user's look
         log.warning(line)
-    shared_by = {s for s in placement.users.values() if len(s) > 1} - grads.sharing_sets
-    if shared_by:  # the same sets on every rank: `users` came from every rank's flags
-        created = create_sharing_groups(layout, shared_by, rank, new_group)
-        grads.sharing_sets |= shared_by
-        grads.sharing_groups.update(created)
-        groups.created.extend(created.values())
+    # the same sets on every rank: `users` came from every rank's flags, the sharded weights from agreed ones
+    sharded = {id(p) for p in placement.sharded_weights()}
+    tied = [(users, id(p) in sharded) for p in placement.weights
+            if len(users := placement.users.get(id(p), frozenset())) > 1]
+    for lane_only, known, made in ((False, grads.sharing_sets, grads.sharing_groups),
+                                   (True, grads.lane_sharing_sets, grads.lane_sharing_groups)):
+        new_sets = {users for users, is_sharded in tied if is_sharded or not lane_only} - known
+        if new_sets:  # a weight sharded now is summed whole at this step, by its shards from the next
+            created = create_sharing_groups(layout, new_sets, rank, new_group, across_replicas=not lane_only)
+            known |= new_sets
+            made.update(created)
+            groups.created.extend(created.values())
     grads.users = placement.users
-    return placement.held()
+
+
+def shard_outside_weights(assembly: StageAssembly, optimizers: Sequence[Any]) -> None:
+    """After the placing step's gradients were averaged whole: make the modules :func:`place_outside_weights` chose
+    FSDP2 units over the replicas (their gradients and optimizer state become this rank's shards)."""
+    placement, sharding, to_shard = assembly.placement, assembly.sharding, assembly.to_shard
+    assert placement is not None and sharding is not None and to_shard is not None
+    replacements = sharding.shard_outside(*to_shard, [getattr(o, "_optimizer", o) for o in optimizers],
+                                          _pipeline_hooks_last)
+    assembly.to_shard = None
+    placement.replace_weights(replacements)
+    assembly.grads.replace_weights(replacements)
 
 
 def _refuse_meta_parameters(module: Any) -> None:

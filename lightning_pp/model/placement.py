@@ -17,6 +17,10 @@ observed on the first training step (and again once frozen weights outside the b
 A weight is then held by the ranks that use or keep it: its gradient is summed among them (and averaged over
 replicas), and its optimizer state exists only there. Weights no rank used in training (an evaluation-only head) stay
 everywhere. ``restore`` puts every weight back on every rank, from a rank that held it, before a later run.
+
+With ``data_parallel="fsdp"``, :meth:`WeightPlacement.shardable` then picks the placed weights that can be sharded
+over the replicas like the blocks (read only inside one module's forward, on every rank holding them); they stay
+placed and sharded for later runs, as the blocks keep their shards.
 """
 
 from __future__ import annotations
@@ -30,6 +34,7 @@ from typing import Any
 
 import torch
 from torch import Tensor, nn
+from torch.distributed.tensor import DTensor
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
@@ -97,6 +102,7 @@ class Observation:
     called: set[int] = field(default_factory=set)
     meta_inputs: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # a call's arguments, on the meta device
     output_dtypes: dict[int, list[torch.dtype]] = field(default_factory=dict)
+    feeds_loss: set[int] = field(default_factory=set)  # modules whose output got a gradient: it reached the loss
     handles: list[RemovableHandle] = field(default_factory=list)
 
     def record_reads(self, tensors: list[Tensor]) -> None:
@@ -122,9 +128,15 @@ class Observation:
             self.active[id(m)] -= 1
             if output is not None and id(m) not in self.output_dtypes:
                 self.output_dtypes[id(m)] = [t.dtype for t in _compat.tree_tensors(output)]
+            for t in _compat.tree_tensors(output) if id(m) not in self.feeds_loss else ():
+                if t.requires_grad:
+                    t.register_hook(functools.partial(self._fed_loss, id(m)))
 
         self.handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
         self.handles.append(module.register_forward_hook(after, always_call=True))
+
+    def _fed_loss(self, key: int, grad: Tensor) -> None:
+        self.feeds_loss.add(key)
 
     def stop(self) -> None:
         """Remove the hooks :meth:`watch` installed."""
@@ -156,6 +168,39 @@ def _inspectable(original: nn.Module, path: str, position: int, holders: Sequenc
         if name:
             submodule.register_forward_pre_hook(refuse(name))
     return shadow
+
+
+def _shape_only(twin: nn.Module, dtypes: list[torch.dtype] | None, device: torch.device, training: bool,
+                args: Any, kwargs: Any) -> Any:
+    """What ``twin`` (a module's meta-device copy) outputs for these arguments, as NaN (integers: zeros) on
+    ``device``, in ``dtypes`` (the observed call's, under autocast) where they match."""
+    twin.train(training)
+    with torch.no_grad():
+        output = twin(*_compat.tree_map_tensors(args, lambda t: t.to("meta")),
+                      **_compat.tree_map_tensors(kwargs, lambda t: t.to("meta")))
+    shapes = list(_compat.tree_tensors(output))
+    if dtypes is None or len(dtypes) != len(shapes):
+        dtypes = [t.dtype for t in shapes]
+    filled = iter([torch.full(t.shape, math.nan if dtype.is_floating_point else 0, dtype=dtype, device=device)
+                   for t, dtype in zip(shapes, dtypes, strict=True)])
+    return _compat.tree_map_tensors(output, lambda _: next(filled))
+
+
+def _forward_shape_only(module: nn.Module, twin: nn.Module, dtypes: list[torch.dtype] | None, device: torch.device,
+                        *args: Any, **kwargs: Any) -> Any:
+    """The forward of a module whose output this rank's step replaces (see :meth:`WeightPlacement.shardable`)."""
+    return _shape_only(twin, dtypes, device, module.training, args, kwargs)
+
+
+def _runs_on_meta(module: nn.Module, observation: Observation) -> str | None:
+    """Why ``module``'s observed call cannot be repeated on a meta-device copy of it (None: it can)."""
+    try:
+        args, kwargs = observation.meta_inputs[id(module)]
+        with torch.no_grad():
+            meta_twin(module)(*args, **kwargs)
+    except Exception as error:  # any failure means it cannot be stood in for
+        return f"it does not run on the meta device ({type(error).__name__}: {error})"
+    return None
 
 
 class _Unused(nn.Module):
@@ -205,17 +250,7 @@ class _Unused(nn.Module):
                 f"PipelineParallelStrategy(outside_weights=\"everywhere\") to keep every weight outside the blocks on "
                 f"every rank."
             )
-        device = self.__dict__["_device"]
-        twin.train(self.training)
-        with torch.no_grad():
-            output = twin(*_compat.tree_map_tensors(args, lambda t: t.to("meta")),
-                          **_compat.tree_map_tensors(kwargs, lambda t: t.to("meta")))
-        shapes = list(_compat.tree_tensors(output))
-        if dtypes is None or len(dtypes) != len(shapes):  # the observed call's dtypes (autocast) where they match
-            dtypes = [t.dtype for t in shapes]
-        filled = iter([torch.full(t.shape, math.nan if dtype.is_floating_point else 0, dtype=dtype, device=device)
-                       for t, dtype in zip(shapes, dtypes, strict=True)])
-        return _compat.tree_map_tensors(output, lambda _: next(filled))
+        return _shape_only(twin, dtypes, self.__dict__["_device"], self.training, args, kwargs)
 
     def extra_repr(self) -> str:
         _, twin, _, _, holders, kind = self.__dict__["_unused"]
@@ -251,6 +286,9 @@ class WeightPlacement:
         self._undecided = list(weights)  # observed on the next training step where trainable
         self._released: dict[int, tuple[nn.Parameter, torch.Size]] = {}  # id -> (weight, its shape when held)
         self._replaced: list[tuple[_Holder, _Unused]] = []
+        self._just_decided: set[int] = set()  # the weights the latest decision placed
+        self._observed: Observation | None = None  # the step it observed
+        self._sharded: set[int] = set()  # indices in `weights` sharded over the replicas: they stay as they are
         self.observation: Observation | None = None
         # set by the stage's session: the link over which a module outputs what another rank's stand-in of it needs
         # in an eager pass (None outside such passes), and the global rank of a pipeline position in this replica
@@ -337,6 +375,7 @@ class WeightPlacement:
             )
         decided = {id(p) for p in weights if id(p) not in frozen}
         self._undecided = [p for p in self._undecided if id(p) not in decided]
+        self._just_decided, self._observed = decided, observation
         for index, p in enumerate(weights):
             if id(p) in frozen:
                 continue
@@ -378,12 +417,7 @@ class WeightPlacement:
                 used = next(n for n, q in holder.module.named_parameters() if id(q) not in releasable)
                 why = f"it also holds `{used}`, which this rank uses (or which lies in its blocks)"
             elif key in observation.called:
-                try:
-                    args, kwargs = observation.meta_inputs[key]
-                    with torch.no_grad():
-                        meta_twin(holder.module)(*args, **kwargs)
-                except Exception as error:  # any failure means it cannot be stood in for
-                    why = f"it does not run on the meta device ({type(error).__name__}: {error})"
+                why = _runs_on_meta(holder.module, observation)
             if why is None:
                 replaceable.add(key)
             else:
@@ -437,29 +471,112 @@ class WeightPlacement:
         """The weights outside the blocks this rank holds."""
         return [p for p in self.weights if id(p) not in self._released]
 
+    # ------------------------------------------------------------------------------------------------ sharding
+
+    def shardable(self, agree: Callable[[Tensor], Tensor]
+                  ) -> tuple[list[tuple[str, nn.Module]], list[nn.Parameter]]:
+        """After :meth:`decide`: the modules this rank holds whose weights can be FSDP2 units over the replicas
+        (innermost first), and the weights this rank holds without using them (sharded bare: no pass reads them), so
+        that each replica keeps 1/D of them. ``agree(flags)`` is the min of an int tensor over the world. A weight
+        qualifies where every rank holding it (a tied one: each end) read it at most inside the forward of one module
+        holding it whose output reached the loss (not as ``x @ self.wte.weight.T`` reads it: a unit gathers a weight
+        only for its forward), and that module holds nothing that does not qualify; only plain weights the decision
+        kept on some pipeline ranks, trainable. The other modules holding it that the step called here (an embedding
+        on the last stage, whose output the received activation replaces) then compute shapes only, as the stand-ins
+        do."""
+        observation = self._observed
+        assert observation is not None
+        self._observed = None
+
+        def called(p: nn.Parameter, feeding: bool) -> list[_Holder]:
+            return [h for h in self._holders[id(p)] if id(h.module) in observation.called
+                    and (id(h.module) in observation.feeds_loss) == feeding]
+
+        def only(module: nn.Module, candidates: set[int]) -> bool:
+            return all(id(q) in candidates for q in module.parameters())
+
+        def qualifies(p: nn.Parameter, candidates: set[int]) -> bool:
+            if id(p) in self._released:
+                return True  # not held here: for the ranks that hold it to say
+            units, bystanders = called(p, True), called(p, False)
+            return (id(p) in self._just_decided and id(p) not in observation.read_elsewhere
+                    and not isinstance(p, DTensor) and (len(units) == 1 or (not units and id(p) in fed and p.dim() > 0))
+                    and all(h.places and only(h.module, candidates) for h in units + bystanders)
+                    and all(_runs_on_meta(h.module, observation) is None for h in bystanders))
+
+        # the weights some rank's step trained (max over the world: 1 - min of 1 - flag); never a weight no pass used
+        held_units = torch.tensor([id(p) not in self._released and bool(called(p, True)) for p in self.weights],
+                                  dtype=torch.int32, device="cpu")
+        fed = {id(p) for p, none in zip(self.weights, agree(1 - held_units).tolist(), strict=True) if not none}
+        candidates = {id(p) for p in self.weights}
+        while True:  # the candidates only shrink, and every rank sees the same agreed flags: the same rounds
+            flags = torch.tensor([qualifies(p, candidates) for p in self.weights], dtype=torch.int32, device="cpu")
+            agreed = {id(p) for p, ok in zip(self.weights, agree(flags).tolist(), strict=True) if ok}
+            if agreed == candidates:
+                break
+            candidates = agreed
+        self._sharded |= {i for i, p in enumerate(self.weights) if id(p) in candidates}
+        held = [p for p in self.weights if id(p) in candidates and id(p) not in self._released]
+        for holder in {id(h.module): h for p in held for h in called(p, False)}.values():
+            module = holder.module
+            module.forward = functools.partial(  # type: ignore[method-assign]
+                _forward_shape_only, module, meta_twin(module), observation.output_dtypes.get(id(module)),
+                next(module.parameters()).device)
+        units = {id(h.module): h for p in held for h in called(p, True)}
+        bare = [p for p in held if not called(p, True)]
+        return [(h.path, h.module) for h in sorted(units.values(), key=lambda h: -h.path.count("."))], bare
+
+    def sharded_weights(self) -> list[nn.Parameter]:
+        """The weights :meth:`shardable` chose on any rank (as this rank knows them: the shards, or released)."""
+        return [self.weights[i] for i in sorted(self._sharded)]
+
+    def replace_weights(self, replacements: dict[int, nn.Parameter]) -> None:
+        """Follow weights replaced by new objects (``id`` of the old one -> the new one: FSDP2 makes new
+        parameters), also in the other modules holding them here (a tied head the first stage does not call)."""
+        def new_id(key: int) -> int:
+            return id(replacements[key]) if key in replacements else key
+
+        for key, new in replacements.items():
+            for holder in self._holders[key]:
+                for name, p in list(holder.module.named_parameters(recurse=False)):
+                    if id(p) == key:
+                        setattr(holder.module, name, new)
+
+        self.weights = [replacements.get(id(p), p) for p in self.weights]
+        self._holders = {new_id(key): holders for key, holders in self._holders.items()}
+        for key in [key for key in self.users if key in replacements]:
+            self.users[new_id(key)] = self.users.pop(key)
+
     # ------------------------------------------------------------------------------------------------ restore
 
     def restore(self, broadcast: Callable[[list[Tensor], int], None]) -> None:
         """Every weight back on every rank (collective): ``broadcast(tensors, position)`` sends a position's values.
 
         Stand-ins give their place back to the original modules, and each weight held by some ranks only is
-        re-allocated and filled from the first position holding it.
+        re-allocated and filled from the first position holding it. Weights sharded over the replicas stay where they
+        are (as the blocks keep their shards), and so do the stand-ins for their modules.
         """
         self.cancel()
         for handle in self._sharing:
             handle.remove()
         self._sharing = []
+        kept = {id(self.weights[i]) for i in self._sharded}
+        kept_modules = {id(h.module) for h in self._holder_modules
+                        if any(id(p) in kept for p in h.module.parameters())}
         for holder, _ in self._replaced:
-            for parent, name in holder.places:
-                setattr(parent, name, holder.module)
+            if id(holder.module) not in kept_modules:
+                for parent, name in holder.places:
+                    setattr(parent, name, holder.module)
         with torch.no_grad():
-            for weight, shape in self._released.values():
-                weight.data = torch.empty(shape, dtype=weight.dtype, device=weight.device)
+            for key, (weight, shape) in self._released.items():
+                if key not in kept:
+                    weight.data = torch.empty(shape, dtype=weight.dtype, device=weight.device)
         by_source: dict[int, list[Tensor]] = {}
         for p in self.weights:
-            if id(p) in self.users:
+            if id(p) in self.users and id(p) not in kept:
                 by_source.setdefault(min(self.users[id(p)]), []).append(p)
-        # a stood-in module's buffers (a BatchNorm's statistics) are current only where it ran
+        # a stood-in module's buffers (a BatchNorm's statistics) are current only where it ran, and differ between
+        # replicas (as DDP, the pipeline's replica 0 gives its buffers to the others)
         for holder in self._holder_modules:
             weights = list(holder.module.parameters())
             if weights and all(id(p) in self.users for p in weights):
@@ -467,6 +584,8 @@ class WeightPlacement:
                 by_source.setdefault(source, []).extend(holder.module.buffers())
         for source in sorted(by_source):
             broadcast(by_source[source], source)
-        self.users = {}
-        self._released, self._replaced = {}, []
-        self._undecided = list(self.weights)
+        self.users = {key: users for key, users in self.users.items() if key in kept}
+        self._released = {key: value for key, value in self._released.items() if key in kept}
+        self._replaced = [(h, stand_in) for h, stand_in in self._replaced if id(h.module) in kept_modules]
+        self._undecided = [p for p in self.weights if id(p) not in kept]
+        self._share_held_outputs()  # a kept module's output still reaches its stand-ins in eager passes

@@ -26,6 +26,7 @@ from lightning_pp.model.assembly import (
     place_outside_weights,
     placement_of,
     set_aside_example_input,
+    shard_outside_weights,
 )
 from lightning_pp.model.eager import EagerLink
 from lightning_pp.model.results import outputs_read
@@ -94,7 +95,7 @@ class StageSession:
         self._hook_logs = HookLogs(groups.pipeline) if pipelined and _logs_around_optimizer_step(module) else None
         self.driver = StepDriver(module, partition.view, p2p, self.recorder, device, schedules, microbatches,
                                  options.microbatch_weight, groups if pipelined else None, position=self.stage,
-                                 shared=assembly.shared)
+                                 outside=lambda: partition.shared_tensors(module)[0])
         self.checkpoints = StageCheckpoints(
             module, partition, self._not_on_last_stage, world=layout.world_size, rank=rank, stage=self.stage,
             lane=layout.lane_of(rank), num_stages=layout.num_stages, rank_of=layout.rank,
@@ -159,7 +160,7 @@ class StageSession:
         assembly = self.assembly
         if assembly.placing is not None and assembly.placing.observation is not None:
             with collective("agreeing on which ranks use the weights outside the blocks"):
-                self.driver.shared = place_outside_weights(assembly, optimizers, self.device, self.new_group)
+                place_outside_weights(assembly, optimizers, self.device, self.new_group)
         timed = self.telemetry.timing_sink is not None and self.layout.world_size > 1
         if assembly.sharding is not None:
             with collective("the blocks' gradient reduce-scatter over the replicas (FSDP2)"):
@@ -167,6 +168,9 @@ class StageSession:
         with collective("the gradient all-reduce (replicas' average, weights several stages hold)"):
             params = [p for p in self.module.parameters() if p.requires_grad]
             sync_ms = assembly.grads.synchronize(params, timed)
+        if assembly.to_shard is not None:
+            with collective("sharding the weights outside the blocks over the replicas (FSDP2)"):
+                shard_outside_weights(assembly, optimizers)
         self.telemetry.last_grad_sync_bytes = assembly.grads.last_bytes
         if timed:  # for PipelineMonitor
             self.telemetry.last_grad_sync_ms = sync_ms

@@ -86,7 +86,7 @@ class StepDriver:
     def __init__(self, module: pl.LightningModule, view: StageView, p2p: StageP2P | None, recorder: LogRecorder,
                  device: torch.device, schedule_for: Callable[[int, bool], Schedule], microbatches: int,
                  microbatch_weight: Callable[[Any], Any] | None = None, groups: StageGroups | None = None,
-                 position: int = 0, shared: list[torch.nn.Parameter] | None = None) -> None:
+                 position: int = 0, outside: Callable[[], list[torch.nn.Parameter]] | None = None) -> None:
         self.module = module
         self.view = view
         self.p2p = p2p
@@ -99,7 +99,9 @@ class StepDriver:
         self.position = position  # this rank's place in its pipeline (the rank of its schedule)
         self.last_stage = view.num_stages - 1
         self.holds_last = self.last_stage in view.stages
-        self.shared = shared or []  # weights outside the blocks, which every stage's pass may use
+        # the weights outside the blocks this rank holds now, which every stage's pass may use (asked each time: an
+        # FSDP2 unit's are the gathered ones while it is gathered)
+        self.outside = outside or list
         self.randomness = StepRandomness(device)
         self.steps_run = 0  # pipelined steps so far (the same count on every stage): seeds their random numbers
         self.last_schedule: Schedule | None = None
@@ -199,7 +201,7 @@ class StepDriver:
     def _parameters_of(self, stage: int) -> list[torch.nn.Parameter]:
         """The weights a pass through ``stage`` can reach: its blocks' and those outside the blocks."""
         blocks = self.view.blocks_of(stage)
-        return [p for block in blocks for p in block.parameters()] + self.shared
+        return [p for block in blocks for p in block.parameters()] + self.outside()
 
     def _shares(self, microbatches: list[Any], sizes: list[int]) -> list[float]:
         """Each micro-batch's share of the batch's loss: its samples, or what ``microbatch_weight`` says."""
