@@ -196,11 +196,11 @@ class PipelineGradients:
             if bucket:
                 yield bucket
 
-    def replace_weights(self, replacements: dict[int, nn.Parameter]) -> None:
-        """Follow weights outside the blocks replaced by new objects (``id`` of the old one -> the new one)."""
+    def replace_weights(self, replacements: dict[int, nn.Parameter], users: dict[int, frozenset[int]]) -> None:
+        """Follow weights outside the blocks replaced by new objects (``id`` of the old one -> the new one), held as
+        ``users`` (the placement's, keyed by the new ones) says."""
         self.outside = {id(replacements[key]) if key in replacements else key for key in self.outside}
-        for key in [key for key in self.users if key in replacements]:
-            self.users[id(replacements[key])] = self.users.pop(key)
+        self.users = users
 
     def clip_by_global_norm(self, params: Iterable[nn.Parameter], clip_val: float) -> None:
         """``clip_grad_norm_`` over the whole pipeline: squared norms summed over stages, each weight counted once (by

@@ -84,7 +84,9 @@ class PipelineMonitor(pl.Callback):
     - ``pipeline/bubble_fraction``: the same over all ranks, the headline number.
     - ``pipeline/predicted_bubble_fraction``: the simulator's bubble for this schedule, fed with the measured costs
       of every action; ``pipeline/bubble_fraction_error`` is measured minus predicted.
-    - ``pipeline/step_ms`` (wall time of the pipelined step) and ``pipeline/samples_per_sec``.
+    - ``pipeline/step_ms`` (wall time of the pipelined step) and ``pipeline/samples_per_sec``; with
+      ``schedule="auto"``, ``pipeline/auto_predicted_step_ms``, the step it predicted for its choice before training
+      (far from ``step_ms``: its measurements did not describe the run).
     - ``pipeline/stage{s}/peak_memory_mb``: the step's peak memory in MiB (2**20 bytes), from the start of the
       training batch to its end (the optimizer step included). On CUDA, the caching allocator's peak above what was
       allocated when the step began (activations, gradients, transfer buffers, the optimizer's temporaries, and on the
@@ -254,6 +256,8 @@ class PipelineMonitor(pl.Callback):
                 sync_ms[stage] = max(sync_ms.get(stage, 0.0), rank_sync_ms)
         predicted = simulate(schedule, _measured_costs(timeline))
         metrics = stage_metrics(timeline, predicted, self._samples, sync_ms, memory)
+        if telemetry.auto_choice is not None:  # what schedule='auto' predicted before the first step, for comparison
+            metrics["pipeline/auto_predicted_step_ms"] = 1e3 * telemetry.auto_choice.step_s
         self.history.append({"step": float(step), **metrics})
         if trainer.loggers:
             for logger in trainer.loggers:

@@ -26,7 +26,8 @@ __all__ = ["BALANCE_MODES", "PipelineOptions", "check", "documented_arguments"]
 
 BACKENDS = ("gloo", "nccl")
 BALANCE_MODES = ("uniform", "params", "time")
-_STAGES_PER_RANK = {"interleaved_1f1b": (2, sys.maxsize), "zbv": (2, 2)}  # (least and default, most); others 1
+# (least and default, most) stages per rank; others 1
+_STAGES_PER_RANK = {"interleaved_1f1b": (2, sys.maxsize), "zbv": (2, 2), "dualpipev": (2, 2)}
 
 
 def check(ok: bool, message: str) -> None:
@@ -59,14 +60,18 @@ class PipelineOptions:
     one backward; activation memory bounded by the number of stages), ``"interleaved_1f1b"`` (``stages_per_rank``
     stages per rank, round-robin: a bubble ``stages_per_rank`` times smaller), ``"zb_h1"`` (backward split into input
     and weight gradients, the weight part deferred into the bubble), ``"zbv"`` (zero bubble with 2 stages per rank in a
-    V), or the path of a ``.csv`` file with one row of compute actions per rank in torch.distributed.pipelining's
-    format (it fixes the micro-batch count)."""
+    V), ``"dualpipev"`` (DeepSeek's DualPipe in its V form: the V of ``"zbv"``, a forward of one stage paired with a
+    backward of the other; at least 2 micro-batches per rank), the path of a ``.csv`` file with one row of compute
+    actions per rank in torch.distributed.pipelining's format (it fixes the micro-batch count), or ``"auto"``: at the
+    start of ``fit``, global rank 0 times the blocks on the first batch and the simulator picks the schedule,
+    ``microbatches``, ``stages_per_rank``, ``balance`` and activation checkpointing it predicts fastest within
+    ``max_memory`` (what the user passes of those is kept; see :mod:`lightning_pp.tuning`)."""
     pipeline_parallel_size: int | None = None
     """Ranks per pipeline; the world size must be a multiple of it. ``None``: the world size (one pipeline, no data
     parallelism)."""
     stages_per_rank: int | None = None
-    """Stages each rank holds: 2 or more for ``"interleaved_1f1b"`` (default 2), 2 for ``"zbv"``, 1 otherwise; the
-    blocks are split into ``stages_per_rank x pipeline_parallel_size`` stages."""
+    """Stages each rank holds: 2 or more for ``"interleaved_1f1b"`` (default 2), 2 for ``"zbv"`` and ``"dualpipev"``,
+    1 otherwise; the blocks are split into ``stages_per_rank x pipeline_parallel_size`` stages."""
     microbatches: int | None = None
     """Micro-batches per batch; ``None`` means twice the number of ranks per pipeline. A batch with fewer samples is
     split into one micro-batch per sample (or fewer, where the schedule's rule asks)."""
@@ -141,6 +146,11 @@ class PipelineOptions:
     ``ModelParallelStrategy``: ``parallelize_module(block, self.device_mesh["tensor_parallel"], plan)`` for each
     block; activations travel between the matching tensor-parallel ranks of neighbouring stages."""
 
+    max_memory: float | None = None
+    """With ``schedule="auto"``: the activation memory a rank may hold at once, in bytes, or as a fraction (at most 1)
+    of the GPU's memory; configurations predicted to need more are not chosen (activation checkpointing is how most
+    fit). ``None``: no limit."""
+
     schedule_file: Schedule | None = field(init=False, default=None)
     """The schedule read from ``schedule`` when it names a ``.csv`` file (read on construction: a missing or broken
     file fails here)."""
@@ -161,9 +171,10 @@ class PipelineOptions:
     def _check_schedule(self) -> None:
         schedule = os.fspath(self.schedule) if isinstance(self.schedule, os.PathLike) else self.schedule
         is_file = isinstance(schedule, str) and schedule.lower().endswith(".csv")
-        check(isinstance(schedule, str) and (schedule in GENERATORS or is_file),
-               f"Unknown schedule {schedule!r}. Valid schedules: {', '.join(sorted(GENERATORS))}, or the path of a "
-               f".csv file with one row of actions per rank (torch.distributed.pipelining's format).")
+        check(isinstance(schedule, str) and (schedule in GENERATORS or schedule == "auto" or is_file),
+               f"Unknown schedule {schedule!r}. Valid schedules: {', '.join(sorted(GENERATORS))}, 'auto' (chosen from "
+               f"measured costs), or the path of a .csv file with one row of actions per rank "
+               f"(torch.distributed.pipelining's format).")
         self.schedule = schedule
         stages_per_rank = self.stages_per_rank
         check(stages_per_rank is None or (_is_int(stages_per_rank) and stages_per_rank >= 1),
@@ -179,12 +190,14 @@ class PipelineOptions:
                    f"stages_per_rank={stages_per_rank} but the schedule file {schedule!r} places "
                    f"{from_file.stages_per_rank} stage(s) on each rank: leave stages_per_rank out.")
             self.microbatches, stages_per_rank = from_file.num_microbatches, from_file.stages_per_rank
+        if schedule == "auto":  # chosen at fit's start, unless given
+            return
         low, high = _STAGES_PER_RANK.get(str(schedule), (1, 1))
         self.stages_per_rank = stages_per_rank = stages_per_rank or low
         check(from_file is not None or low <= stages_per_rank <= high,
                f"schedule={schedule!r} runs {low if low == high else f'at least {low}'} stage(s) per rank, got "
                f"stages_per_rank={stages_per_rank}. Several stages per rank need schedule='interleaved_1f1b' (any "
-               f"number from 2) or 'zbv' (2).")
+               f"number from 2), 'zbv' or 'dualpipev' (2).")
 
     def _check_blocks_and_balance(self) -> None:
         blocks, sequential, balance = self.blocks, self.sequential, self.balance
@@ -242,6 +255,17 @@ class PipelineOptions:
         check(isinstance(self.reuse_cpu_memory, bool),
                f"reuse_cpu_memory={self.reuse_cpu_memory!r} ({type(self.reuse_cpu_memory).__name__}) must be True "
                f"or False.")
+        auto = self.schedule == "auto"
+        check(not auto or self.tensor_parallel_size == 1,
+               f"schedule='auto' measures the blocks on global rank 0 alone, but with tensor_parallel_size="
+               f"{self.tensor_parallel_size} a block's passes need every tensor-parallel rank. Name a schedule.")
+        memory = self.max_memory
+        check(memory is None or (isinstance(memory, int | float) and not isinstance(memory, bool) and memory > 0),
+               f"max_memory={memory!r} ({type(memory).__name__}): pass bytes (max_memory=8 * 2**30), a fraction of "
+               f"the GPU's memory (max_memory=0.8), or None for no limit.")
+        check(memory is None or auto,
+               f"max_memory={memory} only bounds what schedule='auto' chooses, but schedule={self.schedule!r}: pass "
+               f"schedule='auto', or leave max_memory out.")
 
     @property
     def blocks_name(self) -> str | None:
@@ -304,7 +328,8 @@ class PipelineOptions:
                    f"pipeline has {num_stages} ({where}): run it on {self.schedule_file.num_ranks} ranks per "
                    f"pipeline.")
         stages_per_rank = self.stages_per_rank
-        assert stages_per_rank is not None  # set on construction
+        if stages_per_rank is None:  # schedule="auto" chooses it (and fits it to a balance list)
+            return
         total = num_stages * stages_per_rank
         per_rank = f" ({stages_per_rank} per rank)" if stages_per_rank > 1 else ""
         balance = self.balance_list

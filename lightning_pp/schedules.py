@@ -299,6 +299,89 @@ def _zbv(num_ranks: int, num_microbatches: int, stages_per_rank: int = 2) -> lis
     return lists
 
 
+def _dualpipev(num_ranks: int, num_microbatches: int, stages_per_rank: int = 2) -> list[list[Action]]:
+    """DualPipeV (DeepSeek-V3's DualPipe, "cut in half" into a V; the lists of torch's ``ScheduleDualPipeV``).
+
+    The stages sit as in ``zbv`` (rank ``r`` holds stages ``r`` and ``2p - 1 - r``). After a warm-up that fills the
+    way down, each rank's steady state pairs a forward of one of its stages with a full backward (B) of the other:
+    DualPipe overlaps the pair's computation with the other's communication (an MoE's all-to-all), which a runtime
+    running one action at a time turns into back-to-back actions. The first half of the cool-down runs full
+    backwards, the second half splits them into I and W, the deferred W's filling the drain. Needs ``m >= 2p``
+    micro-batches. With F = I = W (B = I + W) the bubble is ZB-V's, (p - 1) / (6 m + p - 1); what DualPipe adds over
+    ZB-V is the overlap, which pays where transfers are long (expert parallelism), not in the compute bubble. Memory:
+    a B frees a micro-batch at once where ZB-V keeps it until its W.
+
+    2 ranks x 4 micro-batches (rank 0 holds stages 0 and 3, rank 1 stages 1 and 2; drawn with B one tick):
+
+    rank 0 |0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3B1 3F2 0B0 3B2 3F3 0B1 3B3 0I2 0W2 0I3 0W3
+    rank 1 |... 1F0 2F0 1F1 2F1 1F2 2B0 2F2 1B0 1F3 2B1 2F3 1B1 2B2 1B2 2I3 1I3 2W3 1W3
+    """
+    if stages_per_rank != 2:
+        raise PipelineConfigError(
+            f"Schedule 'dualpipev' runs exactly 2 stages per rank (a V: stages r and 2p - 1 - r on rank r), got "
+            f"stages_per_rank={stages_per_rank}. Pass stages_per_rank=2."
+        )
+    p, m = num_ranks, num_microbatches
+    if m < 2 * p:
+        raise PipelineConfigError(
+            f"Schedule 'dualpipev' needs at least as many micro-batches as stages (2 x {p} ranks = {2 * p}), got "
+            f"{m}. Pass microbatches >= {2 * p}, or use 'zbv' (any count)."
+        )
+    lists = []
+    for rank in range(p):
+        down, up = rank, 2 * p - 1 - rank
+        forwards, backwards = {down: 0, up: 0}, {down: 0, up: 0}  # the next micro-batch of each stage's F, B or I
+        pending: list[Action] = []  # the W's owed by I's, run first-in first-out where the lists leave room
+        actions: list[Action] = []
+
+        def forward(stage: int, actions: list[Action] = actions, forwards: dict[int, int] = forwards) -> None:
+            actions.append(Action(stage, _F, forwards[stage]))
+            forwards[stage] += 1
+
+        def backward(stage: int, split: bool = False, actions: list[Action] = actions,
+                     backwards: dict[int, int] = backwards, pending: list[Action] = pending) -> None:
+            actions.append(Action(stage, _I if split else _B, backwards[stage]))
+            if split:
+                pending.append(Action(stage, _W, backwards[stage]))
+            backwards[stage] += 1
+
+        def deferred_weight(actions: list[Action] = actions, pending: list[Action] = pending) -> None:
+            if pending:
+                actions.append(pending.pop(0))
+
+        for _ in range(2 * (p - rank - 1)):  # warm-up: fill the way down
+            forward(down)
+        for _ in range(rank + 1):
+            forward(down)
+            forward(up)
+        for _ in range(p - rank - 1):  # the way back up starts, zero-bubble style
+            backward(up, split=True)
+            deferred_weight()
+            forward(up)
+        for _ in range(m - 2 * p + rank + 1):  # steady state: forward of one stage with the backward of the other
+            forward(down)
+            backward(up)
+            forward(up)
+            backward(down)
+        for _ in range(p - rank - 1):
+            backward(up)
+            forward(up)
+            backward(down)
+        split = False  # the cool-down's second half splits its backwards, so that W's fill the drain
+        for i in range(rank + 1):
+            split = split or (i == (rank + 1) // 2 and rank % 2 == 1)
+            backward(up, split)
+            split = split or (i == (rank + 1) // 2 and rank % 2 == 0)
+            backward(down, split)
+        for _ in range(p - rank - 1):
+            deferred_weight()
+            backward(down, split)
+        while pending:
+            deferred_weight()
+        lists.append(actions)
+    return lists
+
+
 # the schedules of one stage per rank with a full backward (B)
 SCHEDULES: dict[str, Generator] = {
     "naive": _naive,
@@ -311,6 +394,7 @@ GENERATORS: dict[str, Generator] = {
     "interleaved_1f1b": _interleaved_1f1b,
     "zb_h1": _zb_h1,
     "zbv": _zbv,
+    "dualpipev": _dualpipev,
 }
 
 

@@ -37,6 +37,7 @@ from lightning_pp.model.assembly import (
     refuse_unsupported,
     setup_optimizers_everywhere,
 )
+from lightning_pp.model.autotune import choose_configuration
 from lightning_pp.model.session import StageSession, release
 from lightning_pp.options import PipelineOptions, documented_arguments
 from lightning_pp.schedules import StepSchedules
@@ -95,7 +96,8 @@ class PipelineParallelStrategy(ParallelStrategy):
         process_group_backend: str | None = None, reuse_cpu_memory: bool = True,
         microbatch_weight: Callable[[Any], Any] | None = None, activation_checkpointing: bool | int = False,
         outside_weights: str = "where_used", carry_block_outputs: bool = False, data_parallel: str = "ddp",
-        tensor_parallel_size: int = 1, accelerator: pl.accelerators.Accelerator | None = None,
+        tensor_parallel_size: int = 1, max_memory: float | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None, checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
@@ -110,7 +112,7 @@ class PipelineParallelStrategy(ParallelStrategy):
             process_group_backend=process_group_backend, reuse_cpu_memory=reuse_cpu_memory,
             microbatch_weight=microbatch_weight, activation_checkpointing=activation_checkpointing,
             outside_weights=outside_weights, carry_block_outputs=carry_block_outputs, data_parallel=data_parallel,
-            tensor_parallel_size=tensor_parallel_size)
+            tensor_parallel_size=tensor_parallel_size, max_memory=max_memory)
         self._process_group_backend = process_group_backend  # chosen from the device in setup_environment if None
         self._num_nodes = 1
         self._session: StageSession | None = None  # this rank's stage during a Trainer run, from setup to teardown
@@ -214,8 +216,6 @@ class PipelineParallelStrategy(ParallelStrategy):
             self.cluster_environment.set_world_size(self._world)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         self._process_group_backend = backend
-        self._schedules = StepSchedules(str(self.options.schedule), self.num_stages, self.microbatches,  # this world's
-                                        self.options.stages_per_rank or 1, self.options.schedule_file is not None)
         self.object_group = start_process_group(self.cluster_environment, backend, self.options.group_timeout,
                                                 self._world, self.global_rank)
         self.device_mesh = create_device_mesh(self.layout, self.root_device.type)
@@ -233,7 +233,12 @@ class PipelineParallelStrategy(ParallelStrategy):
         module = self.lightning_module
         fitting = trainer.state.fn == TrainerFn.FITTING
         refuse_unsupported(module, fitting, self.options.tensor_parallel_size)
-        assert self._schedules is not None  # set up with the world
+        if self.options.schedule == "auto":  # made concrete once, at the first run's start (fit's, to measure)
+            self.options, self.telemetry.auto_choice = choose_configuration(
+                self.options, module, trainer, layout=self.layout, rank=self.global_rank, device=self.root_device,
+                precision=self.precision_plugin, collective=self._collective, object_group=self.object_group)
+        self._schedules = StepSchedules(str(self.options.schedule), self.num_stages, self.microbatches,  # this world's
+                                        self.options.stages_per_rank or 1, self.options.schedule_file is not None)
         schedule = self._schedules(self.microbatches, False)  # raises for a count it cannot run
         assembly = assemble_stage(
             module, schedule, self.layout, self.global_rank, blocks=self.options.blocks_name,

@@ -42,3 +42,4 @@ class PipelineTelemetry:
     last_schedule: Schedule | None = None  # the latest training step's schedule (set after each step)
     last_grad_sync_bytes: int = 0  # gradient bytes all-reduced at the latest optimizer step (set after each one)
     last_grad_sync_ms: float | None = None  # the gradient sync of the latest timed step (set after each timed step)
+    auto_choice: Any = None  # schedule="auto"'s choice and prediction (a lightning_pp.tuning.Candidate), or None

@@ -145,6 +145,23 @@ def fit_then_validate(model: str, timeout: float = 60, **strategy: Any) -> dict[
     return {"validate": module.trainer.validate(module, make_data(model, seed=99), verbose=False)}
 
 
+def fit_twice(model: str, timeout: float = 60, **strategy: Any) -> dict[str, Any]:
+    """Fit, then fit the same module again with a new Trainer (a later run keeps the split, the placement and the
+    shards); the weights after both (sharded ones gathered, on every replica alike)."""
+    import lightning as L
+    from models import RecordingLogger, make_data
+    from torch.distributed.tensor import DTensor
+
+    module, _ = fit(model, PipelineParallelStrategy(timeout=timeout, **strategy), devices=DEVICES)
+    trainer = L.Trainer(accelerator="cpu", devices=DEVICES, strategy=PipelineParallelStrategy(timeout=timeout,
+                                                                                          **strategy),
+                        max_steps=2, logger=RecordingLogger(), enable_checkpointing=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    trainer.fit(module, make_data(model, seed=5))
+    return {"state": {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
+                      for k, v in module.state_dict().items()}, "history": []}
+
+
 def expect_error(model: str, trainer: dict[str, Any] | None = None, **strategy: Any) -> dict[str, Any]:
     """Run a configuration that must fail; return the error instead of dying, so one job checks several. Also
     whether a default process group exists after it (none does when the error came before any collective and no

@@ -153,7 +153,11 @@ def pipelined_job(checkpoints: Path) -> Job:
         runs.append({"scenario": "fit_then_validate", "kwargs": {
             "model": "bn_head_validated", "microbatches": 2, "pipeline_parallel_size": STAGES,
             "data_parallel": data_parallel}})
-    return run_job(REPLICAS * STAGES, runs, timeout=360)
+    for data_parallel in ("ddp", "fsdp"):
+        runs.append({"scenario": "fit_twice", "kwargs": {
+            "model": "tied_modules_sgd", "microbatches": 2, "pipeline_parallel_size": STAGES,
+            "data_parallel": data_parallel}})
+    return run_job(REPLICAS * STAGES, runs, timeout=390)
 
 
 @pytest.fixture(scope="module")
@@ -328,7 +332,7 @@ def test_fsdp2_trains_as_ddp_replicas_do_with_meta_build_fp16_value_clipping_and
     alike) and clipping by value: equal weights, loss and scale. With fsdp, Lightning's fp16 is FSDP2's
     mixed-precision policy (the blocks' weights gathered in fp16, gradients reduced in fp32), which computes as autocast
     does on fp32 weights. Then ``trainer.validate`` after ``fit`` on the same module (the shards are kept, the gathered
-    weights freed at the end of each loop): equal results."""
+    weights freed at the end of each loop): equal results; and a second ``fit`` of the tied model: equal weights."""
     ranks = pipelined_job.get()
     (ddp_state, ddp_history), (fsdp_state, fsdp_history) = (assemble(ranks, FIRST_PAIRED_RUN + i) for i in (0, 1))
     for name, value in ddp_state.items():
@@ -346,6 +350,11 @@ def test_fsdp2_trains_as_ddp_replicas_do_with_meta_build_fp16_value_clipping_and
     validated = [[rank.results[FIRST_PAIRED_RUN + 2 + i]["validate"] for rank in ranks] for i in (0, 1)]
     for got, want in zip(validated[1], validated[0], strict=True):
         assert_same_metrics(got[0], want[0], "validate after fit, fsdp vs ddp", of="ddp's ")
+    # a second fit of the same module: the weights outside the blocks stay placed and sharded, their gradients still
+    # summed over the stages that share them
+    (ddp_again, _), (fsdp_again, _) = (assemble(ranks, FIRST_PAIRED_RUN + 4 + i) for i in (0, 1))
+    for name, value in ddp_again.items():
+        torch.testing.assert_close(fsdp_again[name], value, rtol=RTOL, atol=ATOL, msg=prefixed(f"fit twice {name}"))
 
 
 @pytest.mark.multiprocess

@@ -133,12 +133,13 @@ def torch_interleaved_csv(path: Path, ranks: int, stages_per_rank: int, microbat
 
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_schedules_beyond_1f1b_match_single_device(world_size: int, tmp_path: Path) -> None:
-    """interleaved_1f1b (2 stages per rank), zb_h1 (backward split into input and weight gradients) and zbv (both), at
-    several micro-batch counts, and a schedule torch wrote as CSV; the tied models where they have enough blocks, and
-    frozen first layers."""
+    """interleaved_1f1b (2 stages per rank), zb_h1 (backward split into input and weight gradients), zbv (both) and
+    dualpipev (the V with whole and split backwards), at several micro-batch counts, and a schedule torch wrote as CSV;
+    the tied models where they have enough blocks, and frozen first layers."""
     p = world_size
     runs = [pipelined("mlp", schedule=s, microbatches=m)
-            for s, counts in (("interleaved_1f1b", [p, 2 * p]), ("zb_h1", [p, 2 * p, 3]), ("zbv", [p, 2 * p]))
+            for s, counts in (("interleaved_1f1b", [p, 2 * p]), ("zb_h1", [p, 2 * p, 3]), ("zbv", [p, 2 * p]),
+                              ("dualpipev", [2 * p, 4 * p]))
             for m in counts]
     runs += [pipelined("tied_sgd", schedule="zb_h1", microbatches=p), pipelined("tied", schedule="zb_h1",
                                                                                microbatches=2 * p)]
@@ -146,7 +147,8 @@ def test_schedules_beyond_1f1b_match_single_device(world_size: int, tmp_path: Pa
     runs += [pipelined("frozen_front", schedule=s, microbatches=2 * p) for s in ("zb_h1", "zbv")]
     if world_size == 2:  # 4 blocks: 2 stages per rank only fit on 2 ranks
         runs += [pipelined("tied_sgd", schedule="interleaved_1f1b", microbatches=p),
-                 pipelined("tied_sgd", schedule="zbv", microbatches=2 * p)]
+                 pipelined("tied_sgd", schedule="zbv", microbatches=2 * p),
+                 pipelined("tied_sgd", schedule="dualpipev", microbatches=2 * p)]
     runs.append(pipelined("mlp", schedule=torch_interleaved_csv(tmp_path / "torch.csv", p, 2, 2 * p)))
     ranks = launch(world_size, runs, timeout=380)
     for index, run in enumerate(runs):
@@ -157,7 +159,7 @@ def test_schedules_beyond_1f1b_match_single_device(world_size: int, tmp_path: Pa
 def test_activation_checkpointing_matches_single_device_on_every_schedule() -> None:
     """Blocks recomputed in backward (every block, or every second one) give one device's gradients on every
     schedule, split backwards included."""
-    schedules = ["naive", "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv"]
+    schedules = ["naive", "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev"]
     runs = [pipelined("mlp", schedule=s, microbatches=4, activation_checkpointing=True) for s in schedules]
     runs += [pipelined("tied_sgd", schedule=s, microbatches=4, activation_checkpointing=2) for s in ("1f1b", "zb_h1")]
     ranks = launch(2, runs, timeout=300)

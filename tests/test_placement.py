@@ -40,7 +40,7 @@ def place(module: nn.Module, step: Callable[[], torch.Tensor], position: int, us
           optimizer: torch.optim.Optimizer | None = None) -> tuple[WeightPlacement, list[str]]:
     """Observe ``step`` (whose loss is back-propagated) on ``position`` of 2; the other rank keeps every weight and,
     with ``used_elsewhere``, uses every weight."""
-    placement = WeightPlacement(module, outside(module), position, 2)
+    placement = WeightPlacement(module, outside(module), position, 2, module.blocks)
     assert placement.wants_observation()
     placement.observe()
     with placement.reads():
@@ -92,6 +92,50 @@ def test_a_module_whose_output_is_replaced_becomes_a_shape_only_stand_in() -> No
     assert isinstance(toy.emb, nn.Embedding) and toy.emb.weight is emb_weight and emb_weight.shape == (10, 4)
     assert [(len(tensors), position) for tensors, position in sources] == [(2, 0)]
     assert placement.users == {} and placement.wants_observation()
+
+
+def test_a_module_whose_output_the_step_reads_after_the_blocks_stays() -> None:
+    """On the last stage the embedding of the targets, read after the blocks without a gradient (a regression target),
+    is used by value: its module stays whole there (a stand-in would hand NaN to the loss)."""
+    toy = Toy()
+    received = torch.randn(2, 5, 4)
+
+    def last_stage_step() -> torch.Tensor:
+        hidden = toy.head(toy.blocks(received))
+        target = toy.emb(torch.randint(10, (2, 5))).detach()[..., :3]
+        return ((hidden - target) ** 2).sum() * toy.scale
+
+    _, lines = place(toy, last_stage_step, position=1)
+    assert isinstance(toy.emb, nn.Embedding) and toy.emb.weight.numel() == 40
+    assert any("`emb` stays here: the step calls it after the blocks" in line for line in lines), lines
+
+
+class Scaled(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.temperature = nn.Parameter(torch.ones(()))  # a scalar: FSDP2 cannot shard it
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x * self.temperature
+
+
+def test_shardable_modules_are_those_read_only_in_their_own_forward() -> None:
+    """With ``data_parallel="fsdp"`` (one replica here: the world's agreement is this rank's flags): the head, read
+    in its own forward, becomes a unit; a scalar weight's module and the scale the LightningModule holds itself stay
+    whole."""
+    toy = Toy()
+    toy.temp = Scaled()
+    received = torch.randn(2, 5, 4)
+
+    def last_stage_step() -> torch.Tensor:
+        return toy.temp(toy.head(toy.blocks(received)) * toy.scale).sum()
+
+    placement, _ = place(toy, last_stage_step, position=1)
+    units, bare = placement.shardable(lambda flags: flags)
+    assert [path for path, _ in units] == ["head"] and bare == []
+    sharded = {id(p) for p in placement.sharded_weights()}  # and those this rank released: the other rank's to say
+    assert {id(toy.head.weight), id(toy.head.bias)} <= sharded
+    assert id(toy.temp.temperature) not in sharded and id(toy.scale) not in sharded
 
 
 class PatchEmbedding(nn.Module):

@@ -35,6 +35,7 @@ from support import (
     merged_state,
     prefixed,
     real_model_reference,
+    stage_results,
     validated_and_predicted,
 )
 
@@ -395,6 +396,27 @@ def test_generate_in_predict_step_and_in_a_hook(tmp_path: Path) -> None:
     check_all(2, runs, [generated_as_on_one_device(run["kwargs"]["model"]) for run in runs], timeout=300)
     check_all(4, [job("hf_gpt2_generate", schedule="1f1b", microbatches=4, dirpath=str(tmp_path / "4"))],
               [generated_as_on_one_device("hf_gpt2_generate")], timeout=300)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_generate_with_the_weights_outside_the_blocks_sharded(tmp_path: Path) -> None:
+    """GPT-2's ``generate`` at the end of each validation epoch and in ``predict_step`` on 2 stages x 2 replicas with
+    ``data_parallel="fsdp"``: the embeddings, the final norm and the tied embedding/head sharded, the last stage's
+    embedding and the first stage's head computing shapes only. Each eager pass takes a sharded module's output from a
+    rank where it is a unit, so every rank generates what the same run with ``"ddp"`` generates."""
+    runs = [job("hf_gpt2_generate", schedule="1f1b", microbatches=4, pipeline_parallel_size=2, data_parallel=mode,
+                dirpath=str(tmp_path / mode)) for mode in ("ddp", "fsdp")]
+    ranks = launch(4, runs, timeout=240)
+    whole, sharded = stage_results(ranks, 0), stage_results(ranks, 1)
+    for rank, (want, got) in enumerate(zip(whole, sharded, strict=True)):
+        assert len(got["samples"]) == len(want["samples"]) > 0
+        for a, b in zip(got["samples"], want["samples"], strict=True):
+            assert torch.equal(a, b), f"rank {rank}'s sample {a} != {b}"
+        torch.testing.assert_close(got["predictions"], want["predictions"], rtol=1e-4, atol=1e-4,
+                                   msg=prefixed(f"rank {rank}'s generated tokens and scores, fsdp vs ddp"))
+    assert sharded[0]["local_numel"]["model.transformer.wte.weight"] < whole[0]["local_numel"][
+        "model.transformer.wte.weight"]
 
 
 @pytest.mark.multiprocess

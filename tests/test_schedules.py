@@ -73,6 +73,14 @@ rank 1 |... 1F0 1F1 3F0 3F1 5F0 5B0 5F1 5B1 1F2 3B0 1F3 3B1 3F2 1B0 3F3 1B1 5F2 
     ("zbv", 2, 4, 2): """\
 rank 0 |0F0 0F1 0F2 3F0 3I0 3W0 3F1 3I1 3W1 0F3 0I0 0W0 3F2 3I2 3W2 0I1 0W1 3F3 3I3 3W3 0I2 0W2 0I3 0W3
 rank 1 |... 1F0 2F0 1F1 2F1 2I0 2W0 1F2 1I0 1W0 2F2 2I1 2W1 1F3 1I1 1W1 2F3 2I2 2W2 1I2 2I3 1I3 1W2 2W3 1W3""",
+    ("dualpipev", 2, 4, 2): """\
+rank 0 |0F0 0F1 0F2 3F0 3I0 3W0 3F1 0F3 3B1 3F2 0B0 3B2 3F3 0B1 3B3 0I2 0W2 0I3 0W3
+rank 1 |... 1F0 2F0 1F1 2F1 1F2 2B0 2F2 1B0 1F3 2B1 2F3 1B1 2B2 1B2 2I3 1I3 2W3 1W3""",
+    ("dualpipev", 4, 8, 2): """\
+rank 0 |0F0 0F1 0F2 0F3 0F4 0F5 0F6 7F0 7I0 7W0 7F1 7I1 7W1 7F2 7I2 7W2 7F3 0F7 7B3 7F4 0B0 7B4 7F5 0B1 7B5 7F6 0B2 7B6 7F7 0B3 7B7 0I4 0W4 0I5 0W5 0I6 0W6 0I7 0W7
+rank 1 |... 1F0 1F1 1F2 1F3 1F4 6F0 1F5 6F1 6I0 6W0 6F2 6I1 6W1 6F3 1F6 6B2 6F4 1B0 1F7 6B3 6F5 1B1 6B4 6F6 1B2 6B5 6F7 1B3 6B6 1B4 6I7 1I5 6W7 1I6 1W5 1I7 1W6 1W7
+rank 2 |... ... 2F0 2F1 2F2 5F0 2F3 5F1 2F4 5F2 5I0 5W0 5F3 2F5 5B1 5F4 2B0 2F6 5B2 5F5 2B1 2F7 5B3 5F6 2B2 5B4 5F7 2B3 5B5 2B4 5B6 2I5 5I7 2I6 2W5 2I7 5W7 2W6 2W7
+rank 3 |... ... ... 3F0 4F0 3F1 4F1 3F2 4F2 3F3 4F3 3F4 4B0 4F4 3B0 3F5 4B1 4F5 3B1 3F6 4B2 4F6 3B2 3F7 4B3 4F7 3B3 4B4 3B4 4B5 3B5 4I6 3I6 4I7 3I7 4W6 3W6 4W7 3W7""",
     ("zbv", 4, 8, 2): """\
 rank 0 |0F0 0F1 0F2 0F3 0F4 0F5 0F6 7F0 7I0 7W0 7F1 7I1 7W1 7F2 7I2 7W2 7F3 7I3 7W3 0F7 0I0 0W0 7F4 7I4 7W4 0I1 0W1 7F5 7I5 7W5 0I2 0W2 7F6 7I6 7W6 0I3 0W3 7F7 7I7 7W7 0I4 0W4 0I5 0W5 0I6 0W6 0I7 0W7
 rank 1 |... 1F0 1F1 1F2 1F3 1F4 6F0 1F5 6F1 6I0 6W0 6F2 6I1 6W1 6F3 6I2 6W2 1F6 1I0 1W0 6F4 6I3 6W3 1F7 1I1 1W1 6F5 6I4 6W4 1I2 1W2 6F6 6I5 6W5 1I3 1W3 6F7 6I6 6W6 1I4 6I7 1I5 1W4 1I6 1W5 1I7 1W6 6W7 1W7
@@ -81,8 +89,8 @@ rank 3 |... ... ... 3F0 4F0 3F1 4F1 3F2 4F2 3F3 4F3 4I0 4W0 3F4 3I0 3W0 4F4 4I1 
 }
 # the pictures each generator's docstring draws (short enough for its line length)
 IN_DOCSTRING = [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("zb_h1", 4, 8, 1), ("interleaved_1f1b", 2, 4, 2),
-                ("interleaved_1f1b", 4, 4, 2), ("zbv", 2, 4, 2)]
-STAGES_PER_RANK = {"naive": 1, "gpipe": 1, "1f1b": 1, "zb_h1": 1, "interleaved_1f1b": 2, "zbv": 2}
+                ("interleaved_1f1b", 4, 4, 2), ("zbv", 2, 4, 2), ("dualpipev", 2, 4, 2)]
+STAGES_PER_RANK = {"naive": 1, "gpipe": 1, "1f1b": 1, "zb_h1": 1, "interleaved_1f1b": 2, "zbv": 2, "dualpipev": 2}
 
 
 def _build(name: str, ranks: int, microbatches: int, stages_per_rank: int | None = None,
@@ -171,6 +179,13 @@ def test_zbv_bubble_matches_formula(ranks: int, microbatches: int) -> None:
     assert bubble == pytest.approx((ranks - 1) / (6 * microbatches + ranks - 1))
 
 
+@pytest.mark.parametrize(("ranks", "microbatches"), [(1, 2), (2, 4), (2, 8), (3, 7), (4, 8), (4, 12), (8, 16)])
+def test_dualpipev_bubble_is_zbv_bubble(ranks: int, microbatches: int) -> None:
+    """F = I = W per stage, B = I + W, m >= 2p: ZB-V's (p - 1) / (6m + p - 1), though half the backwards are whole."""
+    bubble = simulate(build_schedule("dualpipev", ranks, microbatches, stages_per_rank=2), action_costs())
+    assert bubble.bubble_fraction() == pytest.approx((ranks - 1) / (6 * microbatches + ranks - 1))
+
+
 # ------------------------------------------------------------------------------------------------ shapes and memory
 
 
@@ -180,6 +195,8 @@ CONFIGS = [(1, 1), (1, 3), (2, 1), (2, 3), (2, 4), (3, 2), (3, 3), (4, 3), (4, 4
 def _runs(name: str, ranks: int, microbatches: int) -> bool:
     if name == "interleaved_1f1b":
         return microbatches >= ranks and microbatches % (microbatches // ranks) == 0
+    if name == "dualpipev":
+        return microbatches >= 2 * ranks
     return True
 
 
@@ -187,7 +204,7 @@ def _runs(name: str, ranks: int, microbatches: int) -> bool:
 @pytest.mark.parametrize(("ranks", "microbatches"), CONFIGS)
 def test_every_schedule_validates(name: str, ranks: int, microbatches: int) -> None:
     if not _runs(name, ranks, microbatches):
-        with pytest.raises(PipelineConfigError, match="interleaved_1f1b"):
+        with pytest.raises(PipelineConfigError, match=name):
             _build(name, ranks, microbatches)
         return
     schedule = _build(name, ranks, microbatches)
@@ -198,6 +215,8 @@ def test_every_schedule_validates(name: str, ranks: int, microbatches: int) -> N
         expected = {f"{stage}{kind}{mb}" for stage in schedule.stages_of(rank) for mb in range(microbatches)
                     for kind in ("FIW" if split else "FB")}
         computes = [str(a) for a in schedule.compute_actions(rank)]
+        if name == "dualpipev":  # a B, or an I and a W, per micro-batch and stage
+            computes = [c.replace("I", "B") for c in computes if "W" not in c]
         assert sorted(computes) == sorted(expected)
     forward_only = _build(name, ranks, microbatches, forward_only=True)
     assert all(a.type in (ActionType.FORWARD, ActionType.SEND_F, ActionType.RECV_F)
@@ -360,7 +379,7 @@ def test_validator_checks_stages_sharing_a_rank() -> None:
 
 
 def test_unknown_schedule_lists_valid_names() -> None:
-    with pytest.raises(PipelineConfigError, match="1f1b, gpipe, interleaved_1f1b, naive, zb_h1, zbv, or the path"):
+    with pytest.raises(PipelineConfigError, match="1f1b, dualpipev, gpipe, interleaved_1f1b, naive, zb_h1, zbv, or the path"):
         build_schedule("zero-bubble", 2, 4)
 
 

@@ -189,10 +189,13 @@ def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout
     # weights outside the blocks the module sharded over the replicas itself stay on every stage: its units hold them
     place_where_used = place_where_used and not (earlier.sharding is not None and earlier.sharding.adopted_outside)
     if place_where_used and placement is None:
-        placement = earlier.placement = WeightPlacement(module, shared, stage, layout.num_stages)
+        placement = earlier.placement = WeightPlacement(module, shared, stage, layout.num_stages,
+                                                        partition.view.container)
     partition.view.pass_context = placement.reads if placement is not None else contextlib.nullcontext
-    return StageAssembly(partition, groups, PipelineGradients(shared, groups, device), placement,
-                         place_where_used, earlier.sharding, made)
+    grads = PipelineGradients(shared, groups, device)
+    if placement is not None and placement.users:  # an earlier run's sharded weights stay placed
+        _sum_shared_weights(placement, grads, groups, new_group)
+    return StageAssembly(partition, groups, grads, placement, place_where_used, earlier.sharding, made)
 
 
 def _refuse_unshardable(module: nn.Module, partition: Partition, layout: PipelineLayout, rank: int,
@@ -269,7 +272,7 @@ def place_outside_weights(assembly: StageAssembly, optimizers: Sequence[Any], de
     those to shard over the replicas (:func:`shard_outside_weights`)."""
     placement, grads, groups = assembly.placement, assembly.grads, assembly.groups
     assert placement is not None
-    layout, rank = groups.layout, groups.rank
+    layout = groups.layout
 
     def any_rank(flags: Tensor) -> Tensor:
         flags = flags.to(device)
@@ -289,12 +292,19 @@ def place_outside_weights(assembly: StageAssembly, optimizers: Sequence[Any], de
     lines = placement.decide(any_rank, every_rank, layout.stage_of, [getattr(o, "_optimizer", o) for o in optimizers])
     sharding = assembly.sharding
     if sharding is not None and sharding.shard_blocks:  # data_parallel="fsdp": what can be, sharded like the blocks
-        assembly.to_shard = placement.shardable(every_rank_agrees)
-        lines[0] += f"; {len(placement.sharded_weights())} of them sharded over the replicas (FSDP2)"
+        assembly.to_shard = units, bare = placement.shardable(every_rank_agrees)
+        lines[0] += f"; {len(units)} module(s) and {len(bare)} unused weight(s) here sharded over the replicas (FSDP2)"
     log.info(lines[0])
     for line in lines[1:]:  # weights kept on a rank that does not use them: worth a user's look
         log.warning(line)
-    # the same sets on every rank: `users` came from every rank's flags, the sharded weights from agreed ones
+    _sum_shared_weights(placement, grads, groups, new_group)
+
+
+def _sum_shared_weights(placement: WeightPlacement, grads: PipelineGradients, groups: StageGroups,
+                        new_group: Callable[[list[int]], Any]) -> None:
+    """Give ``grads`` the placement's holders and a group for each set of positions sharing a weight (a tied
+    embedding and head): over their replicas for whole weights, along each lane for sharded ones. The same sets on
+    every rank (``users`` came from every rank's flags, the sharded weights from agreed ones), created in one order."""
     sharded = {id(p) for p in placement.sharded_weights()}
     tied = [(users, id(p) in sharded) for p in placement.weights
             if len(users := placement.users.get(id(p), frozenset())) > 1]
@@ -302,7 +312,8 @@ def place_outside_weights(assembly: StageAssembly, optimizers: Sequence[Any], de
                                    (True, grads.lane_sharing_sets, grads.lane_sharing_groups)):
         new_sets = {users for users, is_sharded in tied if is_sharded or not lane_only} - known
         if new_sets:  # a weight sharded now is summed whole at this step, by its shards from the next
-            created = create_sharing_groups(layout, new_sets, rank, new_group, across_replicas=not lane_only)
+            created = create_sharing_groups(groups.layout, new_sets, groups.rank, new_group,
+                                            across_replicas=not lane_only)
             known |= new_sets
             made.update(created)
             groups.created.extend(created.values())
@@ -318,7 +329,7 @@ def shard_outside_weights(assembly: StageAssembly, optimizers: Sequence[Any]) ->
                                           _pipeline_hooks_last)
     assembly.to_shard = None
     placement.replace_weights(replacements)
-    assembly.grads.replace_weights(replacements)
+    assembly.grads.replace_weights(replacements, placement.users)
 
 
 def _refuse_meta_parameters(module: Any) -> None:

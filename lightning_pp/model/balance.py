@@ -21,8 +21,8 @@ import statistics
 import time
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from contextlib import AbstractContextManager, contextmanager
-from dataclasses import dataclass
-from typing import Any, NoReturn
+from dataclasses import dataclass, field
+from typing import Any, NoReturn, TypeVar
 
 import lightning.pytorch as pl
 import torch
@@ -41,11 +41,12 @@ from lightning_pp.model.blocks import find_blocks
 from lightning_pp.model.materialize import has_meta_tensors
 from lightning_pp.partition import min_max_partition, stage_costs, uniform_balance
 
-__all__ = ["BlockCosts", "measure_block_costs", "parameter_balance", "preserved_random_state",
-           "resolve_balance"]
+__all__ = ["BlockCosts", "measure_block_costs", "parameter_balance", "preserved_random_state", "probe_first_batch",
+           "resolve_balance", "why_not_time"]
 
 log = logging.getLogger(__name__)
 
+_T = TypeVar("_T")
 _REPEATS = 3  # timed runs of the whole step and of each block alone (after one warm-up run); medians are kept
 
 
@@ -92,6 +93,11 @@ class BlockCosts:
     backward: list[float]
     before: tuple[float, float]  # forward, backward
     after: tuple[float, float]
+    # measured with ``detailed=True`` only (schedule="auto"), per block: the input gradient's part of the backward, the
+    # bytes the forward saves for the backward and the bytes of its output
+    input_backward: list[float] = field(default_factory=list)
+    saved_bytes: list[float] = field(default_factory=list)
+    output_bytes: list[float] = field(default_factory=list)
 
     @property
     def blocks(self) -> list[float]:
@@ -220,37 +226,74 @@ def _run_step(module: pl.LightningModule, blocks: list[nn.Module], microbatch: A
     return run
 
 
+@dataclass
+class _BlockTiming:
+    forward: float
+    backward: float
+    input_backward: float = 0.0
+    saved_bytes: float = 0.0
+    output_bytes: float = 0.0
+
+
+def _unpacked(t: Tensor) -> Tensor:
+    return t
+
+
+def _seconds(device: torch.device, since: float | None = None) -> float:
+    """The clock after the device's queued work (minus ``since``)."""
+    synchronize_device(device)
+    return time.perf_counter() - (since or 0.0)
+
+
 def _time_block(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], device: torch.device,
-                step_context: Callable[[], AbstractContextManager[Any]], repeats: int) -> tuple[float, float]:
+                step_context: Callable[[], AbstractContextManager[Any]], repeats: int,
+                detailed: bool = False) -> _BlockTiming:
     """Median forward and backward seconds of ``block`` alone on the arguments it had in the step; the backward
-    gets a gradient of ones for each of its outputs that needs one."""
-    forwards, backwards = [], []
-    for _ in range(repeats):
-        fresh_args, fresh_kwargs = _fresh(args), _fresh(kwargs)
-        with step_context(), torch.enable_grad():
-            synchronize_device(device)
-            started = time.perf_counter()
-            output = block(*fresh_args, **fresh_kwargs)
-            synchronize_device(device)
-            forwards.append(time.perf_counter() - started)
-        outs = _differentiable(output)
-        if outs:
+    gets a gradient of ones for each of its outputs that needs one. ``detailed``: also the input gradient alone
+    (``torch.autograd.grad`` with respect to the inputs, weights left out: a zero-bubble schedule's I), the bytes of
+    the tensors the forward saves for the backward and of its outputs."""
+    forwards, backwards, inputs_only = [], [], []
+    saved: dict[int, int] = {}
+
+    def keep(t: Tensor) -> Tensor:
+        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
+        return t
+
+    output: Any = None
+    for repeat in range(repeats):
+        for whole in (True, False) if detailed else (True,):  # the whole backward, then the input gradient alone
+            fresh = _fresh((args, kwargs))
+            counting = detailed and whole and repeat == 0
+            saving = torch.autograd.graph.saved_tensors_hooks(keep, _unpacked) if counting else contextlib.nullcontext()
+            with step_context(), torch.enable_grad(), saving:
+                started = _seconds(device)
+                output = block(*fresh[0], **fresh[1])
+                seconds = _seconds(device, started)
+            outs, inputs = _differentiable(output), _differentiable(fresh)
             grads = [torch.ones_like(t) for t in outs]
-            synchronize_device(device)
-            started = time.perf_counter()
-            torch.autograd.backward(outs, grads)
-            synchronize_device(device)
-            backwards.append(time.perf_counter() - started)
-        else:
-            backwards.append(0.0)
+            started = _seconds(device)
+            if whole:
+                if outs:
+                    torch.autograd.backward(outs, grads)
+                forwards.append(seconds)
+                backwards.append(_seconds(device, started))
+            else:
+                if outs and inputs:
+                    torch.autograd.grad(outs, inputs, grads, allow_unused=True)
+                inputs_only.append(_seconds(device, started))
         block.zero_grad(set_to_none=True)
-    return statistics.median(forwards), statistics.median(backwards)
+    timing = _BlockTiming(statistics.median(forwards), statistics.median(backwards))
+    if detailed:
+        timing.input_backward = min(statistics.median(inputs_only), timing.backward)
+        timing.saved_bytes = float(sum(saved.values()))
+        timing.output_bytes = float(sum(t.numel() * t.element_size() for t in _compat.tree_tensors(output)))
+    return timing
 
 
 def measure_block_costs(module: pl.LightningModule, container_name: str, microbatch: Any, *,
                         device: torch.device | None = None,
                         step_context: Callable[[], AbstractContextManager[Any]] = contextlib.nullcontext,
-                        recompute_every: int = 0, repeats: int = _REPEATS) -> BlockCosts:
+                        recompute_every: int = 0, repeats: int = _REPEATS, detailed: bool = False) -> BlockCosts:
     """Time one micro-batch through ``module``'s ``training_step``: each block of ``container_name``, the code before
     the first block and after the last, forward and backward. Runs ``module`` itself (pass a copy to keep its state):
     one warm-up run, then ``repeats`` runs of the step and of each block alone; medians.
@@ -270,12 +313,17 @@ def measure_block_costs(module: pl.LightningModule, container_name: str, microba
     container = module.get_submodule(container_name)
     blocks = _blocks(container)
     runs = _timed_steps(module, blocks, microbatch, device, step_context, repeats)
-    forward, backward = _time_blocks(blocks, runs[0].inputs, device, step_context, recompute_every, repeats)
+    timings = _time_blocks(blocks, runs[0].inputs, device, step_context, recompute_every, repeats, detailed)
+    forward, backward = [t.forward for t in timings], [t.backward for t in timings]
     module.zero_grad(set_to_none=True)
     before_f = statistics.median(r.before_forward for r in runs)
     after_f = statistics.median(r.after_forward for r in runs)
     before_b, after_b = _backward_outside_blocks(runs, forward, backward, before_f, after_f, recompute_every)
-    return BlockCosts(forward, backward, (before_f, before_b), (after_f, after_b))
+    if not detailed:
+        return BlockCosts(forward, backward, (before_f, before_b), (after_f, after_b))
+    return BlockCosts(forward, backward, (before_f, before_b), (after_f, after_b),
+                      [t.input_backward for t in timings], [t.saved_bytes for t in timings],
+                      [t.output_bytes for t in timings])
 
 
 def _timed_steps(module: pl.LightningModule, blocks: list[nn.Module], microbatch: Any, device: torch.device,
@@ -294,16 +342,16 @@ def _timed_steps(module: pl.LightningModule, blocks: list[nn.Module], microbatch
 
 def _time_blocks(blocks: list[nn.Module], inputs: list[tuple[tuple[Any, ...], dict[str, Any]]], device: torch.device,
                  step_context: Callable[[], AbstractContextManager[Any]], recompute_every: int,
-                 repeats: int) -> tuple[list[float], list[float]]:
-    """Each block's forward and backward seconds alone, on the arguments it had in the step; a recomputed block's
+                 repeats: int, detailed: bool) -> list[_BlockTiming]:
+    """Each block timed alone (:func:`_time_block`), on the arguments it had in the step; a recomputed block's
     backward (activation checkpointing: every ``recompute_every``-th block) also pays its forward."""
-    forward, backward = [], []
+    timings = []
     for index, (block, (args, kwargs)) in enumerate(zip(blocks, inputs, strict=True)):
-        f, b = _time_block(block, args, kwargs, device, step_context, repeats)
-        recomputed = recompute_every > 0 and index % recompute_every == 0
-        forward.append(f)
-        backward.append(b + f if recomputed else b)
-    return forward, backward
+        timing = _time_block(block, args, kwargs, device, step_context, repeats, detailed)
+        if recompute_every > 0 and index % recompute_every == 0:
+            timing.backward += timing.forward
+        timings.append(timing)
+    return timings
 
 
 def _median_if_known(values: Sequence[float | None]) -> float | None:
@@ -337,7 +385,7 @@ def _backward_outside_blocks(runs: list[_StepRun], forward: list[float], backwar
     return before_b, after_b
 
 
-def _why_not_time(trainer: pl.Trainer, module: pl.LightningModule) -> str | None:
+def why_not_time(trainer: pl.Trainer, module: pl.LightningModule) -> str | None:
     """Why ``balance='time'`` cannot measure in this run (the same answer on every rank), or None."""
     if trainer.state.fn != TrainerFn.FITTING:
         return f"trainer.{trainer.state.fn.value if trainer.state.fn else 'run'} does not train"
@@ -377,9 +425,10 @@ def _first_batch(trainer: pl.Trainer) -> tuple[Any, bool]:
     return batch, True
 
 
-def _probe_costs(module: pl.LightningModule, container_name: str, trainer: pl.Trainer, device: torch.device,
-                 microbatches: int, precision: Precision, recompute_every: int) -> BlockCosts | None:
-    """Global rank 0's measurement on a deep copy of ``module`` (None: no batch to measure on)."""
+def probe_first_batch(module: pl.LightningModule, trainer: pl.Trainer, device: torch.device, precision: Precision,
+                      measure: Callable[[pl.LightningModule, Any], _T]) -> _T | None:
+    """``measure(probe, batch)`` on a deep copy of ``module`` and fit's first training batch, moved as Lightning moves
+    it, with every random generator restored afterwards (None: no batch to measure on)."""
     with preserved_random_state(device):
         # the job's DeviceMesh (process groups) is shared, not copied; LightningModule's pickling leaves the trainer
         # out: attach it again
@@ -397,13 +446,22 @@ def _probe_costs(module: pl.LightningModule, container_name: str, trainer: pl.Tr
         batch = _data_hook(probe, trainer, "on_before_batch_transfer")(batch, 0)
         batch = _data_hook(probe, trainer, "transfer_batch_to_device")(batch, device, 0)
         batch = _data_hook(probe, trainer, "on_after_batch_transfer")(batch, 0)
-        microbatch = split_batch(batch, min(microbatches, batch_size(batch)))[0][0]
-        costs = measure_block_costs(probe, container_name, microbatch, device=device,
-                                    step_context=precision.train_step_context, recompute_every=recompute_every)
-        del probe, batch, microbatch
+        result = measure(probe, batch)
+        del probe, batch
     if device.type == "cuda":
         torch.cuda.empty_cache()  # the copy's memory goes back before the stage's weights move to the device
-    return costs
+    return result
+
+
+def _probe_costs(module: pl.LightningModule, container_name: str, trainer: pl.Trainer, device: torch.device,
+                 microbatches: int, precision: Precision, recompute_every: int) -> BlockCosts | None:
+    """Global rank 0's measurement on a deep copy of ``module`` (None: no batch to measure on)."""
+    def measure(probe: pl.LightningModule, batch: Any) -> BlockCosts:
+        microbatch = split_batch(batch, min(microbatches, batch_size(batch)))[0][0]
+        return measure_block_costs(probe, container_name, microbatch, device=device,
+                                   step_context=precision.train_step_context, recompute_every=recompute_every)
+
+    return probe_first_batch(module, trainer, device, precision, measure)
 
 
 def _silent(*args: Any, **kwargs: Any) -> None:
@@ -432,7 +490,7 @@ def resolve_balance(by: str, module: pl.LightningModule, blocks: str | None, num
     uniform_balance(len(_blocks(container)), num_stages)  # too few blocks: an error on every rank, before measuring
     if by == "params":
         return parameter_balance(container, num_stages)
-    reason = _why_not_time(trainer, module)
+    reason = why_not_time(trainer, module)
     if reason is None:
         costs, measured, error = _costs_on_rank_zero(
             lambda: _probe_costs(module, name, trainer, device, microbatches, precision, recompute_every),

@@ -19,15 +19,15 @@ replicas), and its optimizer state exists only there. Weights no rank used in tr
 everywhere. ``restore`` puts every weight back on every rank, from a rank that held it, before a later run.
 
 With ``data_parallel="fsdp"``, :meth:`WeightPlacement.shardable` then picks the placed weights that can be sharded
-over the replicas like the blocks (read only inside one module's forward, on every rank holding them); they stay
-placed and sharded for later runs, as the blocks keep their shards.
+over the replicas like the blocks (read only inside one module's forward, on every rank holding them); those stay
+placed and sharded for later runs (``restore`` leaves them), as the blocks keep their shards.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -35,6 +35,7 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 from torch.distributed.tensor import DTensor
+from torch.nn.modules.module import register_module_forward_pre_hook
 from torch.overrides import TorchFunctionMode
 from torch.utils.hooks import RemovableHandle
 
@@ -103,6 +104,10 @@ class Observation:
     meta_inputs: dict[int, tuple[Any, Any]] = field(default_factory=dict)  # a call's arguments, on the meta device
     output_dtypes: dict[int, list[torch.dtype]] = field(default_factory=dict)
     feeds_loss: set[int] = field(default_factory=set)  # modules whose output got a gradient: it reached the loss
+    # modules called after a pass reached the block container (on the last stage: the head, the loss), whose
+    # outputs the step may read by value; modules called before it compute what the received activation replaces
+    after_blocks: set[int] = field(default_factory=set)
+    blocks_began: bool = False  # in the current pass
     handles: list[RemovableHandle] = field(default_factory=list)
 
     def record_reads(self, tensors: list[Tensor]) -> None:
@@ -119,6 +124,8 @@ class Observation:
         """Count the calls in progress of ``module`` (a holder), and keep its first call's inputs and output dtypes."""
         def before(m: nn.Module, args: Any, kwargs: Any) -> None:
             self.active[id(m)] = self.active.get(id(m), 0) + 1
+            if self.blocks_began:
+                self.after_blocks.add(id(m))
             if id(m) not in self.called:
                 self.called.add(id(m))
                 self.meta_inputs[id(m)] = _compat.tree_map_tensors((args, kwargs), lambda t: t.detach().to("meta"))
@@ -134,6 +141,14 @@ class Observation:
 
         self.handles.append(module.register_forward_pre_hook(before, with_kwargs=True))
         self.handles.append(module.register_forward_hook(after, always_call=True))
+
+    def watch_blocks(self, container: nn.Module) -> None:
+        """Note when a pass first calls a block of ``container`` (its own or a stand-in: whatever sits there)."""
+        def began(m: nn.Module, args: Any) -> None:
+            if not self.blocks_began and any(block is m for block in container.children()):
+                self.blocks_began = True
+
+        self.handles.append(register_module_forward_pre_hook(began))
 
     def _fed_loss(self, key: int, grad: Tensor) -> None:
         self.feeds_loss.add(key)
@@ -242,7 +257,8 @@ class _Unused(nn.Module):
         placement: WeightPlacement = self.__dict__["_placement"]
         link = placement.share_through()
         if link is not None:  # an eager pass: the output comes from a rank holding the weights
-            return link.broadcast(None, placement.global_rank_of(min(holders)), f"the output of `{path}`")
+            source = placement.global_rank_of(placement.source_of(path, holders))
+            return link.broadcast(None, source, f"the output of `{path}`")
         if twin is None:
             raise PipelineConfigError(
                 f"`{path}` ({kind}) was called on pipeline rank {position}, where the first training step did not "
@@ -275,8 +291,10 @@ class WeightPlacement:
     by every position.
     """
 
-    def __init__(self, module: nn.Module, weights: list[nn.Parameter], position: int, num_positions: int) -> None:
+    def __init__(self, module: nn.Module, weights: list[nn.Parameter], position: int, num_positions: int,
+                 container: nn.Module | None = None) -> None:
         self.module = module
+        self.container = container  # the block container, whose first call in a pass ends what runs before it
         self.weights = weights  # every weight outside the blocks, in module order (the same on every rank)
         self.position = position
         self.num_positions = num_positions
@@ -289,6 +307,7 @@ class WeightPlacement:
         self._just_decided: set[int] = set()  # the weights the latest decision placed
         self._observed: Observation | None = None  # the step it observed
         self._sharded: set[int] = set()  # indices in `weights` sharded over the replicas: they stay as they are
+        self._sources: dict[str, int] = {}  # a module's path -> the position whose output eager passes share
         self.observation: Observation | None = None
         # set by the stage's session: the link over which a module outputs what another rank's stand-in of it needs
         # in an eager pass (None outside such passes), and the global rank of a pipeline position in this replica
@@ -334,10 +353,15 @@ class WeightPlacement:
         self.observation = Observation(watched, {id(p): self._holders[id(p)] for p in watched})
         for holder in {id(h.module): h for p in watched for h in self._holders[id(p)]}.values():
             self.observation.watch(holder.module)
+        if self.container is not None:
+            self.observation.watch_blocks(self.container)
 
     def reads(self) -> AbstractContextManager[Any]:
         """Around one pass of the user's step: record the weights it reads (a no-op when not observing)."""
-        return _ReadsObserver(self.observation) if self.observation is not None else nullcontext()
+        if self.observation is None:
+            return nullcontext()
+        self.observation.blocks_began = False
+        return _ReadsObserver(self.observation)
 
     # ------------------------------------------------------------------------------------------------ decision
 
@@ -389,19 +413,28 @@ class WeightPlacement:
         return lines
 
     def _share_held_outputs(self) -> None:
-        """On this rank, each module it holds that some pipeline ranks stand in for broadcasts its output in eager
-        passes, from the first rank holding it (the stand-ins receive it)."""
+        """On this rank, each module it holds that some pipeline ranks stand in for (or compute shapes only with)
+        broadcasts its output in eager passes, from :meth:`source_of` (the others receive it)."""
         for handle in self._sharing:
             handle.remove()
         self._sharing = []
+        replaced = {id(holder.module) for holder, _ in self._replaced}
         for holder in self._holder_modules:
             weights = list(holder.module.parameters())
-            if not weights or not all(id(p) in self.users for p in weights):
+            if holder.path in self._sources and id(holder.module) not in replaced:  # sharded: every rank calls it
+                positions = {self.position}
+            elif not weights or not all(id(p) in self.users for p in weights):
                 continue
-            positions = set().union(*(self.users[id(p)] for p in weights))
+            else:
+                positions = set().union(*(self.users[id(p)] for p in weights))
             if self.position in positions:
                 self._sharing.append(holder.module.register_forward_hook(
-                    functools.partial(_share_output, self, min(positions), holder.path)))
+                    functools.partial(_share_output, self, self.source_of(holder.path, positions), holder.path)))
+
+    def source_of(self, path: str, positions: Iterable[int]) -> int:
+        """The pipeline position whose output of the module at ``path`` (held by ``positions``) eager passes share:
+        the first holding it, or for a sharded weight's module the first where it is an FSDP2 unit."""
+        return self._sources.get(path, min(positions))
 
     def _replaceable(self, weights: list[nn.Parameter], releasable: set[int],
                      observation: Observation) -> tuple[set[int], dict[str, str]]:
@@ -416,6 +449,8 @@ class WeightPlacement:
             elif any(id(q) not in releasable for q in holder.module.parameters()):
                 used = next(n for n, q in holder.module.named_parameters() if id(q) not in releasable)
                 why = f"it also holds `{used}`, which this rank uses (or which lies in its blocks)"
+            elif key in observation.after_blocks:
+                why = "the step calls it after the blocks, where it may read its output's values"
             elif key in observation.called:
                 why = _runs_on_meta(holder.module, observation)
             if why is None:
@@ -477,37 +512,52 @@ class WeightPlacement:
                   ) -> tuple[list[tuple[str, nn.Module]], list[nn.Parameter]]:
         """After :meth:`decide`: the modules this rank holds whose weights can be FSDP2 units over the replicas
         (innermost first), and the weights this rank holds without using them (sharded bare: no pass reads them), so
-        that each replica keeps 1/D of them. ``agree(flags)`` is the min of an int tensor over the world. A weight
-        qualifies where every rank holding it (a tied one: each end) read it at most inside the forward of one module
-        holding it whose output reached the loss (not as ``x @ self.wte.weight.T`` reads it: a unit gathers a weight
-        only for its forward), and that module holds nothing that does not qualify; only plain weights the decision
-        kept on some pipeline ranks, trainable. The other modules holding it that the step called here (an embedding
-        on the last stage, whose output the received activation replaces) then compute shapes only, as the stand-ins
-        do."""
+        that each replica keeps 1/D of them. ``agree(flags)`` is the min of an int tensor over the world.
+
+        A weight qualifies where every rank holding it (a tied one: each end) read it at most inside the forward of one
+        module holding it whose output reached the loss (not as ``x @ self.wte.weight.T`` reads it: a unit gathers a
+        weight only for its forward), that module holds nothing that does not qualify, and the other modules holding
+        it there ran before the blocks or not at all; only trainable weights this decision placed, of at least one
+        dimension, contiguous (what FSDP2 shards). The other modules holding it then compute shapes only, as the
+        stand-ins do (an embedding on the last stage, whose output the received activation replaces; a tied head the
+        first stage does not call), and eager passes take their outputs from a rank where the module is a unit."""
         observation = self._observed
         assert observation is not None
-        self._observed = None
+        replaced = {id(holder.module) for holder, _ in self._replaced}
+        meta_runs: dict[int, bool] = {}
 
-        def called(p: nn.Parameter, feeding: bool) -> list[_Holder]:
-            return [h for h in self._holders[id(p)] if id(h.module) in observation.called
-                    and (id(h.module) in observation.feeds_loss) == feeding]
+        def holding(p: nn.Parameter) -> list[_Holder]:
+            return [h for h in self._holders[id(p)] if id(h.module) not in replaced]
 
-        def only(module: nn.Module, candidates: set[int]) -> bool:
-            return all(id(q) in candidates for q in module.parameters())
+        def unit_of(p: nn.Parameter) -> list[_Holder]:
+            return [h for h in holding(p) if id(h.module) in observation.feeds_loss]
+
+        def may_compute_shapes(h: _Holder) -> bool:
+            key = id(h.module)
+            if key not in observation.called:
+                return True
+            if key in observation.after_blocks:
+                return False
+            if key not in meta_runs:
+                meta_runs[key] = _runs_on_meta(h.module, observation) is None
+            return meta_runs[key]
 
         def qualifies(p: nn.Parameter, candidates: set[int]) -> bool:
             if id(p) in self._released:
                 return True  # not held here: for the ranks that hold it to say
-            units, bystanders = called(p, True), called(p, False)
+            units = unit_of(p)
+            others = [h for h in holding(p) if h not in units]
             return (id(p) in self._just_decided and id(p) not in observation.read_elsewhere
-                    and not isinstance(p, DTensor) and (len(units) == 1 or (not units and id(p) in fed and p.dim() > 0))
-                    and all(h.places and only(h.module, candidates) for h in units + bystanders)
-                    and all(_runs_on_meta(h.module, observation) is None for h in bystanders))
+                    and not isinstance(p, DTensor) and p.dim() > 0 and p.is_contiguous()
+                    and (len(units) == 1 or (not units and id(p) in fed))
+                    and all(h.places and all(id(q) in candidates for q in h.module.parameters())
+                            for h in units + others)
+                    and all(may_compute_shapes(h) for h in others))
 
         # the weights some rank's step trained (max over the world: 1 - min of 1 - flag); never a weight no pass used
-        held_units = torch.tensor([id(p) not in self._released and bool(called(p, True)) for p in self.weights],
-                                  dtype=torch.int32, device="cpu")
-        fed = {id(p) for p, none in zip(self.weights, agree(1 - held_units).tolist(), strict=True) if not none}
+        trained = torch.tensor([id(p) not in self._released and bool(unit_of(p)) for p in self.weights],
+                               dtype=torch.int32, device="cpu")
+        fed = {id(p) for p, none in zip(self.weights, agree(1 - trained).tolist(), strict=True) if not none}
         candidates = {id(p) for p in self.weights}
         while True:  # the candidates only shrink, and every rank sees the same agreed flags: the same rounds
             flags = torch.tensor([qualifies(p, candidates) for p in self.weights], dtype=torch.int32, device="cpu")
@@ -516,15 +566,31 @@ class WeightPlacement:
                 break
             candidates = agreed
         self._sharded |= {i for i, p in enumerate(self.weights) if id(p) in candidates}
+        self._just_decided, self._observed = set(), None
         held = [p for p in self.weights if id(p) in candidates and id(p) not in self._released]
-        for holder in {id(h.module): h for p in held for h in called(p, False)}.values():
+        units = {id(h.module): h for p in held for h in unit_of(p)}
+        for holder in {id(h.module): h for p in held for h in holding(p) if id(h.module) not in units}.values():
             module = holder.module
             module.forward = functools.partial(  # type: ignore[method-assign]
                 _forward_shape_only, module, meta_twin(module), observation.output_dtypes.get(id(module)),
                 next(module.parameters()).device)
-        units = {id(h.module): h for p in held for h in called(p, True)}
-        bare = [p for p in held if not called(p, True)]
+        self._agree_on_sources(agree, set(units))
+        self._share_held_outputs()
+        bare = [p for p in held if not unit_of(p)]
         return [(h.path, h.module) for h in sorted(units.values(), key=lambda h: -h.path.count("."))], bare
+
+    def _agree_on_sources(self, agree: Callable[[Tensor], Tensor], units: set[int]) -> None:
+        """Where each module is an FSDP2 unit (on some rank of which positions): there eager passes take its output
+        from (:meth:`source_of`)."""
+        flags = torch.ones(len(self._holder_modules), self.num_positions, dtype=torch.int32, device="cpu")
+        for index, holder in enumerate(self._holder_modules):
+            if id(holder.module) in units:
+                flags[index, self.position] = 0
+        agreed = agree(flags.flatten()).reshape(flags.shape)
+        for index, holder in enumerate(self._holder_modules):
+            positions = [position for position in range(self.num_positions) if agreed[index, position] == 0]
+            if positions:
+                self._sources[holder.path] = min(positions)
 
     def sharded_weights(self) -> list[nn.Parameter]:
         """The weights :meth:`shardable` chose on any rank (as this rank knows them: the shards, or released)."""

@@ -1,0 +1,107 @@
+"""Single-process tier: ``schedule="auto"``'s search (:mod:`lightning_pp.tuning`) on costs given by hand."""
+
+from __future__ import annotations
+
+import pytest
+from _launch import launch
+from support import assert_trains_like, pipelined, reference
+
+from lightning_pp import PipelineConfigError, PipelineParallelStrategy
+from lightning_pp.tuning import MeasuredCosts, search
+
+BLOCKS = 8
+
+
+def costs(per_row: float = 1e-4, slow_first: float = 8.0, saved_per_row: float = 1e6, latency: float = 0.0,
+          framework: float = 0.0) -> MeasuredCosts:
+    """F = I = W = ``per_row`` seconds per row for each block (the first ``slow_first`` times as long), measured at
+    micro-batches of 2 and 16 rows; ``saved_per_row`` bytes kept for backward per block and row."""
+    def per_block(rows: int, value: float) -> list[float]:
+        return [value * rows * (slow_first if block == 0 else 1) for block in range(BLOCKS)]
+
+    def both(value: float) -> tuple[list[float], list[float]]:
+        return per_block(2, value), per_block(16, value)
+
+    return MeasuredCosts(sizes=(2.0, 16.0), forward=both(per_row), input_backward=both(per_row),
+                         weight_backward=both(per_row), saved_bytes=both(saved_per_row),
+                         output_bytes=both(saved_per_row / 8), before=((0.0, 0.0), (0.0, 0.0)),
+                         after=((0.0, 0.0), (0.0, 0.0)), latency_s=latency, seconds_per_byte=0.0,
+                         framework_s=framework)
+
+
+def test_costs_between_the_measured_sizes_follow_the_line_through_them() -> None:
+    measured = costs()
+    assert measured.at(9.0, measured.forward)[1] == pytest.approx(9e-4)
+    assert measured.at(9.0, measured.forward)[0] == pytest.approx(8 * 9e-4)
+    assert measured.at(0.0, ([1.0], [0.0]))[0] == pytest.approx(1.0 + 2 / 14)  # extrapolated
+    assert measured.at(100.0, ([1.0], [0.0]))[0] == 0.0  # never below zero
+
+
+def test_the_slow_first_block_gets_a_stage_of_its_own_and_a_zero_bubble_schedule() -> None:
+    """The model of the issue: the hand default (1F1B, 4 micro-batches, an even split) is beaten by a split that
+    gives the slow block a stage alone, and the simulator prefers a split backward for the bubble."""
+    candidates = search(costs(), num_ranks=2, batch_size=32)
+    best = candidates[0]
+    default = next(c for c in search(costs(), num_ranks=2, batch_size=32, microbatches=4, balance=[4, 4])
+                   if c.schedule == "1f1b" and not c.recompute)
+    assert best.balance[0] == 1 if best.stages_per_rank == 1 else best.balance[0] <= 1
+    assert best.schedule in ("zb_h1", "zbv", "dualpipev")
+    assert best.step_s < 0.85 * default.step_s
+    assert not best.recompute
+    assert [c.step_s for c in candidates if not c.recompute] == sorted(c.step_s for c in candidates
+                                                                       if not c.recompute)
+
+
+def test_per_action_costs_favour_fewer_microbatches() -> None:
+    """With a fixed cost per action and per message (tiny micro-batches), more micro-batches stop paying."""
+    cheap = search(costs(per_row=1e-6, slow_first=1.0), num_ranks=2, batch_size=32)[0]
+    costly = search(costs(per_row=1e-6, slow_first=1.0, latency=1e-3, framework=1e-3), num_ranks=2, batch_size=32)[0]
+    assert costly.microbatches < cheap.microbatches
+
+
+def test_memory_budget_limits_the_microbatches_in_flight_then_needs_recomputation() -> None:
+    free = search(costs(), num_ranks=2, batch_size=32)[0]
+    budget = 0.5 * free.peak_bytes
+    bounded = search(costs(), num_ranks=2, batch_size=32, max_memory=budget)
+    assert all(c.peak_bytes <= budget for c in bounded)
+    # a budget below what any configuration without recomputation holds: only recomputation fits
+    without = min(c.peak_bytes for c in search(costs(), num_ranks=2, batch_size=32, recompute=False))
+    tight = search(costs(), num_ranks=2, batch_size=32, max_memory=0.9 * without)
+    assert tight[0].recompute
+    with pytest.raises(PipelineConfigError, match="found no configuration whose activations fit max_memory=1 bytes"):
+        search(costs(), num_ranks=2, batch_size=32, max_memory=1)
+
+
+def test_what_the_user_fixed_is_kept() -> None:
+    fixed = search(costs(), num_ranks=2, batch_size=32, microbatches=8, stages_per_rank=1, balance=[2, 6],
+                   recompute=False)
+    assert {(c.microbatches, c.stages_per_rank, c.balance, c.recompute) for c in fixed} == {(8, 1, (2, 6), False)}
+    assert {c.schedule for c in fixed} == {"gpipe", "1f1b", "zb_h1"}
+    assert {c.schedule for c in search(costs(), num_ranks=2, batch_size=32, stages_per_rank=2)} == {
+        "interleaved_1f1b", "zbv", "dualpipev"}
+
+
+def test_auto_options_are_checked_before_any_collective() -> None:
+    PipelineParallelStrategy(schedule="auto", max_memory=0.8, microbatches=8)
+    with pytest.raises(PipelineConfigError, match=r"max_memory=\d+ only bounds what schedule='auto' chooses"):
+        PipelineParallelStrategy(schedule="1f1b", max_memory=2**30)
+    with pytest.raises(PipelineConfigError, match="max_memory='big'"):
+        PipelineParallelStrategy(schedule="auto", max_memory="big")  # type: ignore[arg-type]
+    with pytest.raises(PipelineConfigError, match="schedule='auto' measures the blocks on global rank 0 alone"):
+        PipelineParallelStrategy(schedule="auto", tensor_parallel_size=2, pipeline_parallel_size=2)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_auto_chosen_configurations_train_as_one_device() -> None:
+    """``schedule="auto"`` on 2 ranks: rank 0 measures and prints its choice, every rank runs it, and training equals
+    one device's (the probe leaves the module, its random state and the data order as they were); with the micro-batch
+    count fixed by the user, the choice keeps it."""
+    runs = [pipelined("mlp", schedule="auto"), pipelined("tied_sgd", schedule="auto", microbatches=4)]
+    ranks = launch(2, runs, timeout=240)
+    for index, run in enumerate(runs):
+        assert_trains_like(ranks, index, run, reference(run["kwargs"]["model"]), f"auto {run['kwargs']}")
+    chosen = [line for line in ranks[0].output.splitlines() if "schedule='auto' chose" in line]
+    assert len(chosen) == 2, ranks[0].output[-3000:]
+    assert " m=4 " in chosen[1], chosen
+    assert not any("schedule='auto' chose" in line for line in ranks[1].output.splitlines())
