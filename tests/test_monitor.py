@@ -81,10 +81,11 @@ def test_measured_bubble_matches_theory_and_logs(world_size: int, microbatches: 
 @pytest.mark.multiprocess
 def test_bubbles_of_interleaved_and_zero_bubble_schedules_match_theory() -> None:
     """4 ranks x 8 micro-batches of layers whose forward, input gradient and weight gradient each sleep alike
-    (F = I = W): the measured bubble is the theory's, and both are below 1F1B's."""
+    (F = I = W): the measured bubble is the theory's, and both are below 1F1B's; DualPipeV's (2 stages per rank, each
+    stage's F = I = W) is ZB-V's."""
     p, m, v = 4, 8, 2
     theory = {"1f1b": (p - 1) / (m + p - 1), "interleaved_1f1b": (p - 1) / (v * m + p - 1),
-              "zb_h1": (p - 1) / (3 * m + p - 1)}
+              "zb_h1": (p - 1) / (3 * m + p - 1), "dualpipev": (p - 1) / (6 * m + p - 1)}
     runs = [{"scenario": "monitored", "kwargs": {"model": "split_sleepy8", "schedule": s, "microbatches": m,
                                                   "log_dir": None, "timeline_every_n_steps": 0}} for s in theory]
     ranks = launch(p, runs, timeout=300)
@@ -96,6 +97,7 @@ def test_bubbles_of_interleaved_and_zero_bubble_schedules_match_theory() -> None
         print(f"{schedule}: measured bubble {measured[schedule]:.3f}, theory {theory[schedule]:.3f}")
         assert measured[schedule] == pytest.approx(theory[schedule], abs=0.03), schedule
     assert measured["interleaved_1f1b"] < measured["1f1b"] and measured["zb_h1"] < measured["1f1b"]
+    assert measured["dualpipev"] < measured["zb_h1"]
     zb = ranks[0].results[2]["history"][-1]
     assert zb["pipeline/stage1/backward_input_ms"] > 0 and zb["pipeline/stage1/backward_weight_ms"] > 0
 
