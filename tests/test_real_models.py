@@ -400,6 +400,16 @@ def test_generate_in_predict_step_and_in_a_hook(tmp_path: Path) -> None:
 
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
+def test_auto_chosen_configurations_of_hugging_face_models_train_as_one_device() -> None:
+    """``schedule="auto"`` probing Hugging Face GPT-2 (whose blocks append to a key/value cache object they are
+    handed, so a block cannot be replayed alone: the step's own per-block timings stand in) and ViT: training equals
+    one device's."""
+    runs = [job(model, schedule="auto") for model in ("hf_gpt2", "hf_vit")]
+    check_all(2, runs, [matches(run["kwargs"]["model"]) for run in runs], timeout=240)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
 def test_generate_with_the_weights_outside_the_blocks_sharded(tmp_path: Path) -> None:
     """GPT-2's ``generate`` at the end of each validation epoch and in ``predict_step`` on 2 stages x 2 replicas with
     ``data_parallel="fsdp"``: the embeddings, the final norm and the tied embedding/head sharded, the last stage's

@@ -133,21 +133,35 @@ class _StepRun:
     after_backward: float | None  # from backward's start until the gradient reached the last block's output
     before_backward: float | None  # from the gradient reaching the first block's inputs until backward ended
     inputs: list[tuple[tuple[Any, ...], dict[str, Any]]]  # each block's arguments in this run
+    block_forward: list[float]  # each block's forward in the step
+    block_backward: list[float | None] = field(default_factory=list)  # each block's backward in the step (None: unseen)
+    saved_bytes: list[float] = field(default_factory=list)  # what each block's forward saved for the backward
+    output_bytes: list[float] = field(default_factory=list)
 
 
 class _BlockCalls:
     """What the blocks' forward hooks saw in one step: each call's block, start and arguments, then its end and
     output, with the clock read after the device's queued work."""
 
-    def __init__(self, device: torch.device) -> None:
+    def __init__(self, device: torch.device, weights: set[int]) -> None:
         self.device = device
+        self.weights = weights  # the storages of the module's parameters: not activations
         self.starts: list[tuple[nn.Module, float, tuple[Any, ...], dict[str, Any]]] = []
         self.ends: list[float] = []
         self.outputs: list[Any] = []
+        self.saved: list[dict[int, int]] = []  # per call: storage -> bytes its forward saved for the backward
 
     def before_block(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         synchronize_device(self.device)
+        self.saved.append({})
         self.starts.append((block, time.perf_counter(), args, kwargs))
+
+    def pack(self, t: Tensor) -> Tensor:
+        """A saved tensor's bytes, charged to the block running (inside a block's call only)."""
+        storage = t.untyped_storage()
+        if len(self.ends) < len(self.starts) and storage.data_ptr() not in self.weights:
+            self.saved[-1][storage.data_ptr()] = storage.nbytes()
+        return t
 
     def after_block(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
         synchronize_device(self.device)
@@ -159,13 +173,13 @@ def _forward_step(module: pl.LightningModule, blocks: list[nn.Module], microbatc
                   step_context: Callable[[], AbstractContextManager[Any]]) -> tuple[Any, float, float, _BlockCalls]:
     """``training_step`` on ``microbatch`` with the blocks' calls recorded: what it returned, the clock when it
     started and when it returned, and the calls."""
-    calls = _BlockCalls(device)
+    calls = _BlockCalls(device, {p.untyped_storage().data_ptr() for p in module.parameters()})
     handles = []
     for block in {id(b): b for b in blocks}.values():  # a block listed twice is hooked once, and runs twice
         handles.append(block.register_forward_pre_hook(calls.before_block, with_kwargs=True))
         handles.append(block.register_forward_hook(calls.after_block, with_kwargs=True))
     try:
-        with step_context(), torch.enable_grad():
+        with step_context(), torch.enable_grad(), torch.autograd.graph.saved_tensors_hooks(calls.pack, _unpacked):
             synchronize_device(device)
             started = time.perf_counter()
             output = module.training_step(microbatch, 0)
@@ -177,10 +191,12 @@ def _forward_step(module: pl.LightningModule, blocks: list[nn.Module], microbatc
     return output, started, returned, calls
 
 
-def _time_backward(loss: Tensor, last_output: Any, run: _StepRun, device: torch.device) -> None:
-    """``loss.backward()`` into ``run``: the whole of it, and where gradient hooks saw the gradient reach the last
-    block's output and the first block's inputs."""
+def _time_backward(loss: Tensor, outputs: list[Any], run: _StepRun, device: torch.device) -> None:
+    """``loss.backward()`` into ``run``: the whole of it, where gradient hooks saw the gradient reach the last block's
+    output and the first block's inputs, and each block's backward (from the gradient reaching its output until it
+    reached the previous block's)."""
     reached: dict[str, float] = {}
+    last_output = outputs[-1]
 
     def mark(key: str, first: bool) -> Callable[[Tensor], None]:
         def hook(grad: Tensor) -> None:
@@ -192,6 +208,9 @@ def _time_backward(loss: Tensor, last_output: Any, run: _StepRun, device: torch.
 
     for t in _differentiable(last_output):
         t.register_hook(mark("last output", first=True))  # the gradient reached the blocks: the head is done
+    for index, output in enumerate(outputs):
+        for t in _differentiable(output):
+            t.register_hook(mark(f"output {index}", first=True))
     first_inputs = _differentiable(run.inputs[0])
     for t in first_inputs:
         t.register_hook(mark("first inputs", first=False))  # the blocks are done: what is left runs before them
@@ -207,6 +226,10 @@ def _time_backward(loss: Tensor, last_output: Any, run: _StepRun, device: torch.
         run.before_backward = 0.0  # nothing before the blocks receives a gradient through them
     elif "first inputs" in reached:
         run.before_backward = ended - reached["first inputs"]
+    arrivals = [reached.get(f"output {index}") for index in range(len(outputs))]
+    arrivals.insert(0, reached.get("first inputs", ended))  # block 0's backward ends where the one before starts
+    run.block_backward = [b - a if a is not None and b is not None else None
+                          for a, b in zip(arrivals[1:], arrivals[:-1], strict=True)]
 
 
 def _run_step(module: pl.LightningModule, blocks: list[nn.Module], microbatch: Any, device: torch.device,
@@ -220,9 +243,13 @@ def _run_step(module: pl.LightningModule, blocks: list[nn.Module], microbatch: A
         )
     loss = output.get("loss") if isinstance(output, Mapping) else output
     run = _StepRun(calls.starts[0][1] - started, returned - calls.ends[-1], None, None, None,
-                   [(args, kwargs) for _, _, args, kwargs in calls.starts])
+                   [(args, kwargs) for _, _, args, kwargs in calls.starts],
+                   [end - start for (_, start, _, _), end in zip(calls.starts, calls.ends, strict=True)],
+                   saved_bytes=[float(sum(saved.values())) for saved in calls.saved],
+                   output_bytes=[float(sum(t.numel() * t.element_size() for t in _compat.tree_tensors(out)))
+                                 for out in calls.outputs])
     if isinstance(loss, Tensor) and loss.requires_grad:
-        _time_backward(loss, calls.outputs[-1], run, device)
+        _time_backward(loss, calls.outputs, run, device)
     return run
 
 
@@ -231,8 +258,6 @@ class _BlockTiming:
     forward: float
     backward: float
     input_backward: float = 0.0
-    saved_bytes: float = 0.0
-    output_bytes: float = 0.0
 
 
 def _unpacked(t: Tensor) -> Tensor:
@@ -250,22 +275,12 @@ def _time_block(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
                 detailed: bool = False) -> _BlockTiming:
     """Median forward and backward seconds of ``block`` alone on the arguments it had in the step; the backward
     gets a gradient of ones for each of its outputs that needs one. ``detailed``: also the input gradient alone
-    (``torch.autograd.grad`` with respect to the inputs, weights left out: a zero-bubble schedule's I), the bytes of
-    the tensors the forward saves for the backward and of its outputs."""
+    (``torch.autograd.grad`` with respect to the inputs, weights left out: a zero-bubble schedule's I)."""
     forwards, backwards, inputs_only = [], [], []
-    saved: dict[int, int] = {}
-
-    def keep(t: Tensor) -> Tensor:
-        saved[t.untyped_storage().data_ptr()] = t.untyped_storage().nbytes()
-        return t
-
-    output: Any = None
-    for repeat in range(repeats):
+    for _ in range(repeats):
         for whole in (True, False) if detailed else (True,):  # the whole backward, then the input gradient alone
             fresh = _fresh((args, kwargs))
-            counting = detailed and whole and repeat == 0
-            saving = torch.autograd.graph.saved_tensors_hooks(keep, _unpacked) if counting else contextlib.nullcontext()
-            with step_context(), torch.enable_grad(), saving:
+            with step_context(), torch.enable_grad():
                 started = _seconds(device)
                 output = block(*fresh[0], **fresh[1])
                 seconds = _seconds(device, started)
@@ -285,9 +300,30 @@ def _time_block(block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any],
     timing = _BlockTiming(statistics.median(forwards), statistics.median(backwards))
     if detailed:
         timing.input_backward = min(statistics.median(inputs_only), timing.backward)
-        timing.saved_bytes = float(sum(saved.values()))
-        timing.output_bytes = float(sum(t.numel() * t.element_size() for t in _compat.tree_tensors(output)))
     return timing
+
+
+def _time_blocks(blocks: list[nn.Module], runs: list[_StepRun], device: torch.device,
+                 step_context: Callable[[], AbstractContextManager[Any]], recompute_every: int,
+                 repeats: int, detailed: bool) -> list[_BlockTiming]:
+    """Each block timed alone (:func:`_time_block`), on the arguments it had in the step; a block that cannot run
+    again on them (one that appends to a cache object it was handed, as Hugging Face's GPT-2 does in training) gets
+    what the step measured of it (its input gradient taken as half its backward). A recomputed block's backward
+    (activation checkpointing: every ``recompute_every``-th block) also pays its forward."""
+    timings = []
+    for index, (block, (args, kwargs)) in enumerate(zip(blocks, runs[0].inputs, strict=True)):
+        try:
+            timing = _time_block(block, args, kwargs, device, step_context, repeats, detailed)
+        except Exception:
+            block.zero_grad(set_to_none=True)
+            forward = statistics.median(r.block_forward[index] for r in runs)
+            backward = _median_if_known([r.block_backward[index] if r.block_backward else None for r in runs])
+            backward = 2 * forward if backward is None else backward
+            timing = _BlockTiming(forward, backward, backward / 2)
+        if recompute_every > 0 and index % recompute_every == 0:
+            timing.backward += timing.forward
+        timings.append(timing)
+    return timings
 
 
 def measure_block_costs(module: pl.LightningModule, container_name: str, microbatch: Any, *,
@@ -313,7 +349,7 @@ def measure_block_costs(module: pl.LightningModule, container_name: str, microba
     container = module.get_submodule(container_name)
     blocks = _blocks(container)
     runs = _timed_steps(module, blocks, microbatch, device, step_context, repeats)
-    timings = _time_blocks(blocks, runs[0].inputs, device, step_context, recompute_every, repeats, detailed)
+    timings = _time_blocks(blocks, runs, device, step_context, recompute_every, repeats, detailed)
     forward, backward = [t.forward for t in timings], [t.backward for t in timings]
     module.zero_grad(set_to_none=True)
     before_f = statistics.median(r.before_forward for r in runs)
@@ -322,8 +358,7 @@ def measure_block_costs(module: pl.LightningModule, container_name: str, microba
     if not detailed:
         return BlockCosts(forward, backward, (before_f, before_b), (after_f, after_b))
     return BlockCosts(forward, backward, (before_f, before_b), (after_f, after_b),
-                      [t.input_backward for t in timings], [t.saved_bytes for t in timings],
-                      [t.output_bytes for t in timings])
+                      [t.input_backward for t in timings], runs[0].saved_bytes, runs[0].output_bytes)
 
 
 def _timed_steps(module: pl.LightningModule, blocks: list[nn.Module], microbatch: Any, device: torch.device,
@@ -338,20 +373,6 @@ def _timed_steps(module: pl.LightningModule, blocks: list[nn.Module], microbatch
         if len(runs) > 1:
             runs[-1].inputs = []  # the blocks are timed alone on the first run's arguments only
     return runs
-
-
-def _time_blocks(blocks: list[nn.Module], inputs: list[tuple[tuple[Any, ...], dict[str, Any]]], device: torch.device,
-                 step_context: Callable[[], AbstractContextManager[Any]], recompute_every: int,
-                 repeats: int, detailed: bool) -> list[_BlockTiming]:
-    """Each block timed alone (:func:`_time_block`), on the arguments it had in the step; a recomputed block's
-    backward (activation checkpointing: every ``recompute_every``-th block) also pays its forward."""
-    timings = []
-    for index, (block, (args, kwargs)) in enumerate(zip(blocks, inputs, strict=True)):
-        timing = _time_block(block, args, kwargs, device, step_context, repeats, detailed)
-        if recompute_every > 0 and index % recompute_every == 0:
-            timing.backward += timing.forward
-        timings.append(timing)
-    return timings
 
 
 def _median_if_known(values: Sequence[float | None]) -> float | None:
