@@ -252,6 +252,25 @@ def test_a_failing_probe_is_a_config_error() -> None:
         trainer_for("time").fit(Uncopyable(), make_data("mlp"))
 
 
+def test_a_block_that_cannot_be_replayed_alone_gets_the_steps_timings() -> None:
+    """Hugging Face's GPT-2 hands each block a key/value cache object it appends to, so a block cannot run again on
+    the arguments recorded in the step: its costs come from the step itself (forward by the clock around each block,
+    backward by gradient hooks between the blocks' outputs), with what each block saves and outputs."""
+    from real_models import HFGPT2, token_batches
+
+    from lightning_pp.model.balance import measure_block_costs
+
+    module = HFGPT2()
+    (tokens,) = next(iter(token_batches()))
+    costs = measure_block_costs(module, "model.transformer.h", [tokens[:2]], device=torch.device("cpu"),
+                                detailed=True)
+    assert len(costs.forward) == len(costs.backward) == len(costs.input_backward) == 4
+    assert all(f > 0 for f in costs.forward) and all(b > 0 for b in costs.backward)
+    assert all(0 < i <= b for i, b in zip(costs.input_backward, costs.backward, strict=True))
+    assert all(saved > out > 0 for saved, out in zip(costs.saved_bytes, costs.output_bytes, strict=True))
+    assert costs.output_bytes[0] == 2 * tokens.shape[1] * 32 * 4  # 2 sequences x their tokens x width 32, fp32
+
+
 # ------------------------------------------------------------------------------------------------ on two ranks
 
 
