@@ -256,6 +256,9 @@ class PipelineOptions:
                f"reuse_cpu_memory={self.reuse_cpu_memory!r} ({type(self.reuse_cpu_memory).__name__}) must be True "
                f"or False.")
         auto = self.schedule == "auto"
+        check(not auto or self.balance_by in (None, "time"),
+               f"balance={self.balance!r} with schedule='auto', which splits the blocks by their measured time (as "
+               f"balance='time'): leave balance out, or pass a list of blocks per stage to fix the split.")
         check(not auto or self.tensor_parallel_size == 1,
                f"schedule='auto' measures the blocks on global rank 0 alone, but with tensor_parallel_size="
                f"{self.tensor_parallel_size} a block's passes need every tensor-parallel rank. Name a schedule.")

@@ -309,7 +309,8 @@ def _dualpipev(num_ranks: int, num_microbatches: int, stages_per_rank: int = 2) 
     backwards, the second half splits them into I and W, the deferred W's filling the drain. Needs ``m >= 2p``
     micro-batches. With F = I = W (B = I + W) the bubble is ZB-V's, (p - 1) / (6 m + p - 1); what DualPipe adds over
     ZB-V is the overlap, which pays where transfers are long (expert parallelism), not in the compute bubble. Memory:
-    a B frees a micro-batch at once where ZB-V keeps it until its W.
+    at most ``2p + 1`` micro-batches of a rank's half-size stages (counting each until its B or W), one more than
+    ZB-V's and 1F1B's peak.
 
     2 ranks x 4 micro-batches (rank 0 holds stages 0 and 3, rank 1 stages 1 and 2; drawn with B one tick):
 
@@ -787,7 +788,7 @@ class StepSchedules:
 
     A last, short batch that the schedule cannot split into its count (interleaved 1F1B's rule, a file's fixed count)
     is evaluated with a forward sweep over the same stages and trained with the largest count the schedule runs below
-    it; none is an error naming the batch.
+    it (DualPipeV, which needs 2p micro-batches, with ZB-V's lists: the same V); none is an error naming the batch.
     """
 
     def __init__(self, name: str, num_ranks: int, microbatches: int, stages_per_rank: int, fixed_count: bool) -> None:
@@ -811,6 +812,8 @@ class StepSchedules:
             why = str(error)
         if forward_only:
             return forward_sweep(self(self.microbatches, False).stage_to_rank, count)
+        if self.name == "dualpipev":
+            return build_schedule("zbv", self.num_ranks, count, stages_per_rank=self.stages_per_rank)
         for fewer in range(count - 1, 0, -1) if not self.fixed_count else []:
             with contextlib.suppress(PipelineConfigError):
                 return build_schedule(self.name, self.num_ranks, fewer, stages_per_rank=self.stages_per_rank)

@@ -72,11 +72,13 @@ class Execution:
         return not self.unfinished
 
 
-def execute(actions: Sequence[Sequence[Action]], cost: Callable[[Action], float] = unit_cost) -> Execution:
+def execute(actions: Sequence[Sequence[Action]], cost: Callable[[Action], float] = unit_cost,
+            delay: Callable[[Action], float] | None = None) -> Execution:
     """Run per-rank action lists with one clock per rank; the one execution loop (simulator and validator).
 
     Each rank runs its list in order; an action starts when the previous one on its rank ended, a receive also not
-    before its send ended (sends never block). A transfer between two stages of one rank is no action: the consumer
+    before its send ended plus the send's ``delay`` (the message in flight, while the sender goes on; sends never
+    block). A transfer between two stages of one rank is no action: the consumer
     comes later in the same list, so the order already says when its input is there. Stops when every rank finished
     or every unfinished rank waits on a receive whose send will never come (a deadlock: see ``unfinished``).
     """
@@ -106,16 +108,17 @@ def execute(actions: Sequence[Sequence[Action]], cost: Callable[[Action], float]
                     events.append(TimelineEvent(action.stage, action, COMM_TRANSFER, start, end, rank))
                 if action.is_send:
                     recv = ActionType.RECV_F if action.type is ActionType.SEND_F else ActionType.RECV_B
-                    arrival[(action.peer, recv, action.microbatch)] = end
+                    arrival[(action.peer, recv, action.microbatch)] = end + (delay(action) if delay else 0.0)
                 clock[rank] = end
                 position[rank] += 1
                 progressed = True
     return Execution(events, position, [len(rank_actions) for rank_actions in actions])
 
 
-def simulate(schedule: Schedule, cost: Callable[[Action], float] = unit_cost) -> Timeline:
+def simulate(schedule: Schedule, cost: Callable[[Action], float] = unit_cost,
+             delay: Callable[[Action], float] | None = None) -> Timeline:
     """Predict the timeline of ``schedule`` (one row per rank); see :func:`execute` for the rules."""
-    run = execute(schedule.actions, cost)
+    run = execute(schedule.actions, cost, delay)
     if not run.finished:  # unreachable for a validated schedule
         raise RuntimeError(f"Schedule {schedule.name!r} deadlocks; run validate_schedule for the grid.")
     return Timeline(schedule.num_ranks, run.events, schedule.stage_to_rank)

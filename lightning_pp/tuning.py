@@ -18,7 +18,6 @@ configuration without it fits the budget."""
 
 from __future__ import annotations
 
-import math
 from collections.abc import Sequence
 from dataclasses import dataclass
 from functools import cache
@@ -51,6 +50,8 @@ class MeasuredCosts:
     output_bytes: tuple[list[float], list[float]]
     before: tuple[tuple[float, float], tuple[float, float]]
     after: tuple[tuple[float, float], tuple[float, float]]
+    # the bytes the step's work before and after the blocks saves for the backward (embeddings; the head, the loss)
+    outside_saved_bytes: tuple[tuple[float, float], tuple[float, float]]
     latency_s: float  # one point-to-point message
     seconds_per_byte: float
     framework_s: float  # the runtime's own time per action
@@ -115,6 +116,9 @@ def _evaluate(costs: MeasuredCosts, schedule: Schedule, batch_size: int, recompu
         totals, stages, first_extra=sum(before), last_extra=sum(after))
     forward, input_b, weight_b = (_stage_sums(v, split) for v in (f, i, w))
     held, sent = _stage_sums(saved, split), [out[r.stop - 1] for r in stage_layer_ranges(split)]
+    saved_before, saved_after = costs.at(size, costs.outside_saved_bytes)
+    held[0] += saved_before
+    held[-1] += saved_after
     forward[0] += before[0]
     weight_b[0] += before[1] + input_b[0]  # the first stage hands no gradient upstream: its whole backward is W
     input_b[0] = 0.0
@@ -131,12 +135,13 @@ def _evaluate(costs: MeasuredCosts, schedule: Schedule, batch_size: int, recompu
             return input_b[s] + costs.framework_s
         if kind is ActionType.BACKWARD_WEIGHT:
             return weight_b[s] + costs.framework_s
-        if action.is_send:  # an activation forward, a gradient of the same size back
-            source = s if kind is ActionType.SEND_F else s - 1
-            return costs.latency_s + sent[source] * costs.seconds_per_byte
-        return costs.framework_s  # a receive: posting it
+        return costs.framework_s / 2  # posting a send or a receive; the message flies meanwhile (below)
 
-    timeline = simulate(schedule, cost)
+    def in_flight(send: Action) -> float:  # an activation forward, a gradient of the same size back
+        source = send.stage if send.type is ActionType.SEND_F else send.stage - 1
+        return costs.latency_s + sent[source] * costs.seconds_per_byte
+
+    timeline = simulate(schedule, cost, in_flight)
     return Candidate(schedule.name, schedule.stages_per_rank, schedule.num_microbatches, tuple(split), recompute,
                      timeline.makespan, timeline.bubble_fraction(), _peak_held(schedule, held))
 
@@ -175,13 +180,19 @@ def search(costs: MeasuredCosts, num_ranks: int, batch_size: int, *, max_memory:
             for again in ([recompute] if recompute is not None else [False, True]):
                 candidate = _evaluate(costs, schedule, batch_size, again, balance)
                 candidates.append((candidate.step_s, m, order, again, candidate))
+    if not candidates:
+        given = {"microbatches": microbatches, "stages_per_rank": stages_per_rank, "balance": balance}
+        fixed = ", ".join(f"{k}={v}" for k, v in given.items() if v is not None) or "nothing fixed"
+        raise PipelineConfigError(
+            f"schedule='auto' found no configuration to run {costs.num_blocks} blocks on {num_ranks} ranks with a "
+            f"batch of {batch_size} and {fixed}: a schedule needs a block per stage (2-4 stages per rank with "
+            f"several) and at least one sample per micro-batch. Fix fewer of these, or name a schedule.")
     # recomputation costs time: chosen only where no configuration without it fits (then the fastest with it)
     fitting = [c for *_, c in sorted(candidates, key=lambda c: (c[3], *c[:3]))
                if max_memory is None or c.peak_bytes <= max_memory]
     if not fitting:
-        least = min((c[-1].peak_bytes for c in candidates), default=math.inf)
+        least = min(c[-1].peak_bytes for c in candidates)
         raise PipelineConfigError(
-            f"schedule='auto' found no configuration whose activations fit max_memory={max_memory:.0f} bytes per rank "
-            f"(the least any needs is {least:.0f}, with activation checkpointing). Raise max_memory, use more "
-            f"pipeline ranks, or smaller batches.")
+            f"schedule='auto' found no configuration whose activations fit max_memory={max_memory} bytes per rank "
+            f"(the least any needs is {least:.0f}). Raise max_memory, use more pipeline ranks, or smaller batches.")
     return fitting

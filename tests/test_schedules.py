@@ -15,6 +15,7 @@ from lightning_pp.schedules import (
     Action,
     ActionType,
     Schedule,
+    StepSchedules,
     add_communication,
     build_schedule,
     load_csv,
@@ -222,6 +223,14 @@ def test_every_schedule_validates(name: str, ranks: int, microbatches: int) -> N
     assert all(a.type in (ActionType.FORWARD, ActionType.SEND_F, ActionType.RECV_F)
                for actions in forward_only.actions for a in actions)
     assert [len(forward_only.compute_actions(rank)) for rank in range(ranks)] == [v * microbatches] * ranks
+
+
+def test_a_short_last_batch_runs_dualpipev_as_zbv() -> None:
+    """DualPipeV needs 2p micro-batches; a last batch with fewer trains with ZB-V's lists over the same V."""
+    schedules = StepSchedules("dualpipev", 2, 4, 2, fixed_count=False)
+    assert schedules(4, False).name == "dualpipev"
+    short = schedules(3, False)
+    assert (short.name, short.num_microbatches, short.stage_to_rank) == ("zbv", 3, (0, 1, 1, 0))
 
 
 def test_placements() -> None:

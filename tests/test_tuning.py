@@ -25,7 +25,8 @@ def costs(per_row: float = 1e-4, slow_first: float = 8.0, saved_per_row: float =
     return MeasuredCosts(sizes=(2.0, 16.0), forward=both(per_row), input_backward=both(per_row),
                          weight_backward=both(per_row), saved_bytes=both(saved_per_row),
                          output_bytes=both(saved_per_row / 8), before=((0.0, 0.0), (0.0, 0.0)),
-                         after=((0.0, 0.0), (0.0, 0.0)), latency_s=latency, seconds_per_byte=0.0,
+                         after=((0.0, 0.0), (0.0, 0.0)), outside_saved_bytes=((0.0, 0.0), (0.0, 0.0)),
+                         latency_s=latency, seconds_per_byte=0.0,
                          framework_s=framework)
 
 
@@ -89,6 +90,16 @@ def test_auto_options_are_checked_before_any_collective() -> None:
         PipelineParallelStrategy(schedule="auto", max_memory="big")  # type: ignore[arg-type]
     with pytest.raises(PipelineConfigError, match="schedule='auto' measures the blocks on global rank 0 alone"):
         PipelineParallelStrategy(schedule="auto", tensor_parallel_size=2, pipeline_parallel_size=2)
+    with pytest.raises(PipelineConfigError, match="balance='params' with schedule='auto', which splits the blocks"):
+        PipelineParallelStrategy(schedule="auto", balance="params")
+
+
+def test_nothing_to_search_is_our_error() -> None:
+    with pytest.raises(PipelineConfigError, match="found no configuration to run 8 blocks on 16 ranks with a batch of "
+                                                  "32 and nothing fixed"):
+        search(costs(), num_ranks=16, batch_size=32)
+    with pytest.raises(PipelineConfigError, match=r"and stages_per_rank=5: a schedule needs a block per stage"):
+        search(costs(), num_ranks=2, batch_size=32, stages_per_rank=5)
 
 
 @pytest.mark.multiprocess
@@ -96,12 +107,13 @@ def test_auto_options_are_checked_before_any_collective() -> None:
 def test_auto_chosen_configurations_train_as_one_device() -> None:
     """``schedule="auto"`` on 2 ranks: rank 0 measures and prints its choice, every rank runs it, and training equals
     one device's (the probe leaves the module, its random state and the data order as they were); with the micro-batch
-    count fixed by the user, the choice keeps it."""
-    runs = [pipelined("mlp", schedule="auto"), pipelined("tied_sgd", schedule="auto", microbatches=4)]
+    count fixed by the user, the choice keeps it; with a memory budget too."""
+    runs = [pipelined("mlp", schedule="auto"), pipelined("tied_sgd", schedule="auto", microbatches=4),
+            pipelined("mlp_sgd", schedule="auto", max_memory=2**30)]
     ranks = launch(2, runs, timeout=240)
     for index, run in enumerate(runs):
         assert_trains_like(ranks, index, run, reference(run["kwargs"]["model"]), f"auto {run['kwargs']}")
     chosen = [line for line in ranks[0].output.splitlines() if "schedule='auto' chose" in line]
-    assert len(chosen) == 2, ranks[0].output[-3000:]
+    assert len(chosen) == 3, ranks[0].output[-3000:]
     assert " m=4 " in chosen[1], chosen
     assert not any("schedule='auto' chose" in line for line in ranks[1].output.splitlines())

@@ -47,27 +47,32 @@ def choose_configuration(options: PipelineOptions, module: pl.LightningModule, t
                          collective: Callable[[str], AbstractContextManager[None]],
                          object_group: Any) -> tuple[PipelineOptions, Candidate | None]:
     """``options`` with ``schedule="auto"`` made concrete (the same on every rank), and the chosen candidate (None:
-    nothing could be measured, the default configuration)."""
+    nothing could be measured: the default configuration, which a later run of the same module keeps, as it keeps
+    the split)."""
     reason = why_not_time(trainer, module)
-    choice: list[Candidate | str | None] = [None]
+    outcome: list[tuple[str, Any]] = [("default", reason)]  # ("chosen", Candidate), ("default", why), ("failed", why)
     link = _measure_link(layout, rank, device, collective) if reason is None else (0.0, 0.0)
-    if rank == 0:
+    error: Exception | None = None
+    if rank == 0 and reason is None:
         try:
-            choice[0] = _search_on_rank_zero(options, module, trainer, layout, device, precision, link) \
-                if reason is None else reason
-        except Exception as error:  # every rank raises it, below
-            choice[0] = f"error: {type(error).__name__}: {error}"
+            chosen_here = _search_on_rank_zero(options, module, trainer, layout, device, precision, link)
+            outcome[0] = ("chosen", chosen_here) if isinstance(chosen_here, Candidate) else ("default", chosen_here)
+        except Exception as caught:  # every rank raises it, below
+            error = caught
+            outcome[0] = ("failed", f"{type(caught).__name__}: {caught}")
     if layout.world_size > 1:
         with collective("the broadcast of schedule='auto''s choice"):
-            dist.broadcast_object_list(choice, src=0, group=object_group)
-    chosen = choice[0]
-    if isinstance(chosen, str) and chosen.startswith("error: "):
-        raise PipelineConfigError(f"schedule='auto' could not choose a configuration ({chosen[7:]}). Name a "
-                                  f"schedule instead (schedule='1f1b').")
-    if not isinstance(chosen, Candidate):
+            dist.broadcast_object_list(outcome, src=0, group=object_group)
+    kind, chosen = outcome[0]
+    if kind == "failed":
+        raise PipelineConfigError(f"schedule='auto' could not choose a configuration ({chosen}). Name a schedule "
+                                  f"instead (schedule='1f1b').") from error
+    if kind == "default":
+        several = (options.stages_per_rank or 1) > 1 or len(options.balance_list or []) > layout.num_stages
+        schedule = "interleaved_1f1b" if several else "1f1b"  # what the user fixed still runs
         if rank == 0:
-            log.info(f"schedule='auto' runs the default configuration (1f1b, an even split): {chosen}")
-        return dataclasses.replace(options, schedule="1f1b"), None
+            log.info(f"schedule='auto' runs the default configuration ({schedule}): {chosen}")
+        return dataclasses.replace(options, schedule=schedule, max_memory=None), None
     for logger in trainer.loggers:  # loggers write on global rank 0 only
         logger.log_hyperparams({"pipeline_auto/schedule": chosen.schedule, "pipeline_auto/microbatches":
                                 chosen.microbatches, "pipeline_auto/stages_per_rank": chosen.stages_per_rank,
@@ -76,7 +81,8 @@ def choose_configuration(options: PipelineOptions, module: pl.LightningModule, t
                                 "pipeline_auto/predicted_step_ms": 1e3 * chosen.step_s})
     concrete = dataclasses.replace(
         options, schedule=chosen.schedule, microbatches=chosen.microbatches, stages_per_rank=chosen.stages_per_rank,
-        balance=list(chosen.balance), activation_checkpointing=options.activation_checkpointing or chosen.recompute)
+        balance=list(chosen.balance), activation_checkpointing=options.activation_checkpointing or chosen.recompute,
+        max_memory=None)
     return concrete, chosen
 
 
@@ -89,21 +95,24 @@ def _search_on_rank_zero(options: PipelineOptions, module: pl.LightningModule, t
     def measure(probe: pl.LightningModule, batch: Any) -> tuple[MeasuredCosts, int]:
         size = batch_size(batch)
         fixed = options.microbatches
-        counts = (fixed, fixed) if fixed is not None else (min(ranks, size), min(size, MAX_MICROBATCHES))
+        counts = {min(fixed, size)} if fixed is not None else {min(ranks, size), min(size, MAX_MICROBATCHES)}
         measured = []
-        for count in counts:
+        for count in sorted(counts):
             microbatch = split_batch(batch, count)[0][0]
             measured.append((batch_size(microbatch), measure_block_costs(
                 probe, name, microbatch, device=device, step_context=precision.train_step_context,
                 recompute_every=options.recompute_every, detailed=True)))
-        (low, a), (high, b) = sorted(measured, key=lambda item: item[0])
+        measured.sort(key=lambda item: item[0])
+        (low, a), (high, b) = measured[0], measured[-1]  # one size measured: a constant cost
         costs = MeasuredCosts(
             sizes=(float(low), float(high)), forward=(a.forward, b.forward),
             input_backward=(a.input_backward, b.input_backward),
             weight_backward=([x - y for x, y in zip(a.backward, a.input_backward, strict=True)],
                              [x - y for x, y in zip(b.backward, b.input_backward, strict=True)]),
             saved_bytes=(a.saved_bytes, b.saved_bytes), output_bytes=(a.output_bytes, b.output_bytes),
-            before=(a.before, b.before), after=(a.after, b.after), latency_s=link[0], seconds_per_byte=link[1],
+            before=(a.before, b.before), after=(a.after, b.after),
+            outside_saved_bytes=(a.outside_saved_bytes, b.outside_saved_bytes), latency_s=link[0],
+            seconds_per_byte=link[1],
             framework_s=_FRAMEWORK_S.get(device.type, _FRAMEWORK_S["cuda"]))
         return costs, size
 

@@ -98,6 +98,7 @@ class BlockCosts:
     input_backward: list[float] = field(default_factory=list)
     saved_bytes: list[float] = field(default_factory=list)
     output_bytes: list[float] = field(default_factory=list)
+    outside_saved_bytes: tuple[float, float] = (0.0, 0.0)  # saved by the work before and after the blocks
 
     @property
     def blocks(self) -> list[float]:
@@ -137,15 +138,19 @@ class _StepRun:
     block_backward: list[float | None] = field(default_factory=list)  # each block's backward in the step (None: unseen)
     saved_bytes: list[float] = field(default_factory=list)  # what each block's forward saved for the backward
     output_bytes: list[float] = field(default_factory=list)
+    outside_saved_bytes: tuple[float, float] = (0.0, 0.0)  # what the work before and after the blocks saved
 
 
 class _BlockCalls:
     """What the blocks' forward hooks saw in one step: each call's block, start and arguments, then its end and
     output, with the clock read after the device's queued work."""
 
-    def __init__(self, device: torch.device, weights: set[int]) -> None:
+    def __init__(self, device: torch.device, weights: set[int], num_blocks: int) -> None:
         self.device = device
         self.weights = weights  # the storages of the module's parameters: not activations
+        self.num_blocks = num_blocks
+        self.before: dict[int, int] = {}  # storage -> bytes saved before the first block, and after the last
+        self.after: dict[int, int] = {}
         self.starts: list[tuple[nn.Module, float, tuple[Any, ...], dict[str, Any]]] = []
         self.ends: list[float] = []
         self.outputs: list[Any] = []
@@ -157,10 +162,13 @@ class _BlockCalls:
         self.starts.append((block, time.perf_counter(), args, kwargs))
 
     def pack(self, t: Tensor) -> Tensor:
-        """A saved tensor's bytes, charged to the block running (inside a block's call only)."""
+        """A saved tensor's bytes, charged to the block running or that ran last (work between blocks is theirs),
+        or to the work before the first block or after the last."""
         storage = t.untyped_storage()
-        if len(self.ends) < len(self.starts) and storage.data_ptr() not in self.weights:
-            self.saved[-1][storage.data_ptr()] = storage.nbytes()
+        if storage.data_ptr() not in self.weights:
+            where = (self.before if not self.starts else
+                     self.after if len(self.ends) == self.num_blocks else self.saved[-1])
+            where[storage.data_ptr()] = storage.nbytes()
         return t
 
     def after_block(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
@@ -173,7 +181,7 @@ def _forward_step(module: pl.LightningModule, blocks: list[nn.Module], microbatc
                   step_context: Callable[[], AbstractContextManager[Any]]) -> tuple[Any, float, float, _BlockCalls]:
     """``training_step`` on ``microbatch`` with the blocks' calls recorded: what it returned, the clock when it
     started and when it returned, and the calls."""
-    calls = _BlockCalls(device, {p.untyped_storage().data_ptr() for p in module.parameters()})
+    calls = _BlockCalls(device, {p.untyped_storage().data_ptr() for p in module.parameters()}, len(blocks))
     handles = []
     for block in {id(b): b for b in blocks}.values():  # a block listed twice is hooked once, and runs twice
         handles.append(block.register_forward_pre_hook(calls.before_block, with_kwargs=True))
@@ -247,7 +255,8 @@ def _run_step(module: pl.LightningModule, blocks: list[nn.Module], microbatch: A
                    [end - start for (_, start, _, _), end in zip(calls.starts, calls.ends, strict=True)],
                    saved_bytes=[float(sum(saved.values())) for saved in calls.saved],
                    output_bytes=[float(sum(t.numel() * t.element_size() for t in _compat.tree_tensors(out)))
-                                 for out in calls.outputs])
+                                 for out in calls.outputs],
+                   outside_saved_bytes=(float(sum(calls.before.values())), float(sum(calls.after.values()))))
     if isinstance(loss, Tensor) and loss.requires_grad:
         _time_backward(loss, calls.outputs, run, device)
     return run
@@ -320,8 +329,9 @@ def _time_blocks(blocks: list[nn.Module], runs: list[_StepRun], device: torch.de
             backward = _median_if_known([r.block_backward[index] if r.block_backward else None for r in runs])
             backward = 2 * forward if backward is None else backward
             timing = _BlockTiming(forward, backward, backward / 2)
-        if recompute_every > 0 and index % recompute_every == 0:
+        if recompute_every > 0 and index % recompute_every == 0:  # the recomputation runs in the input gradient's pass
             timing.backward += timing.forward
+            timing.input_backward += timing.forward if detailed else 0.0
         timings.append(timing)
     return timings
 
@@ -357,8 +367,11 @@ def measure_block_costs(module: pl.LightningModule, container_name: str, microba
     before_b, after_b = _backward_outside_blocks(runs, forward, backward, before_f, after_f, recompute_every)
     if not detailed:
         return BlockCosts(forward, backward, (before_f, before_b), (after_f, after_b))
+    saved, outputs = list(runs[0].saved_bytes), runs[0].output_bytes
+    for index in range(0, len(saved), recompute_every) if recompute_every else []:  # a recomputed block keeps its
+        saved[index] = outputs[index - 1] if index else outputs[0]  # input only
     return BlockCosts(forward, backward, (before_f, before_b), (after_f, after_b),
-                      [t.input_backward for t in timings], runs[0].saved_bytes, runs[0].output_bytes)
+                      [t.input_backward for t in timings], saved, outputs, runs[0].outside_saved_bytes)
 
 
 def _timed_steps(module: pl.LightningModule, blocks: list[nn.Module], microbatch: Any, device: torch.device,
