@@ -62,7 +62,7 @@ from lightning_pp.actions import Action, ActionType
 from lightning_pp.errors import PipelineCommError, PipelineConfigError, PipelineTimeoutError
 from lightning_pp.topology import StageGroups, create_device_mesh, create_groups
 
-__all__ = ["StageP2P", "connect_stages"]
+__all__ = ["StageP2P", "connect_stages", "described_dtensor", "rebuilt_dtensor"]
 
 _DTYPES = (
     torch.float32, torch.float16, torch.bfloat16, torch.float64,
@@ -92,11 +92,11 @@ _PendingSend = tuple[Action, list[dist.Work], list[torch.Tensor], bool]
 _DTENSORS = "dtensors"  # beside a structure's spec: [index, mesh dimension names, placements, shape, stride] each
 
 
-def _placed(tensor: DTensor) -> list[Any]:
+def described_dtensor(tensor: DTensor) -> list[Any]:
     """How to rebuild ``tensor`` from its local part: mesh dimension names, placements, shape, stride (JSON)."""
     if not tensor.device_mesh.mesh_dim_names:
         raise PipelineConfigError(
-            "A block handed the next block a DTensor on a mesh without dimension names, which the next stage cannot "
+            "A block handed on a DTensor on a mesh without dimension names, which the next stage cannot "
             "find. Distribute it on the strategy's mesh (self.device_mesh['tensor_parallel']).")
     codes = []
     for placement in tensor.placements:
@@ -108,13 +108,13 @@ def _placed(tensor: DTensor) -> list[Any]:
             codes.append(["P", placement.reduce_op])
         else:
             raise PipelineConfigError(
-                f"A block handed the next block a DTensor placed as {placement}, which cannot cross pipeline stages "
+                f"A block handed on a DTensor placed as {placement}, which cannot cross pipeline stages "
                 f"(Shard, Replicate and Partial can). Let the plan's last layer of each block return a plain tensor "
                 f"(use_local_output=True) or redistribute it.")
     return [list(tensor.device_mesh.mesh_dim_names or ()), codes, list(tensor.shape), list(tensor.stride())]
 
 
-def _rebuilt(local: torch.Tensor, mesh: Any, codes: list[list[Any]], shape: list[int],
+def rebuilt_dtensor(local: torch.Tensor, mesh: Any, codes: list[list[Any]], shape: list[int],
              stride: list[int]) -> torch.Tensor:
     """The DTensor ``local`` is this rank's part of, a leaf that requires gradients where ``local`` does."""
     placements = [Shard(c[1]) if c[0] == "S" else Replicate() if c[0] == "R" else Partial(c[1]) for c in codes]
@@ -205,7 +205,7 @@ class StageP2P:
             tensors, spec = [obj], _TENSOR_SPEC
         else:
             tensors, spec = flatten(obj)
-            distributed = [[i, *_placed(t)] for i, t in enumerate(tensors) if isinstance(t, DTensor)]
+            distributed = [[i, *described_dtensor(t)] for i, t in enumerate(tensors) if isinstance(t, DTensor)]
             if distributed:  # their local parts travel; the structure says how to rebuild them
                 spec = {**spec, _DTENSORS: distributed}
                 tensors = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
@@ -332,7 +332,7 @@ class StageP2P:
                     payload.requires_grad_()
         spec = self._specs[key]
         for index, dims, placements, shape, stride in spec.get(_DTENSORS, ()):
-            payloads[index] = _rebuilt(payloads[index], self._mesh(dims), placements, shape, stride)
+            payloads[index] = rebuilt_dtensor(payloads[index], self._mesh(dims), placements, shape, stride)
         if self.header_groups is not None and spec != _TENSOR_SPEC and has_nested(spec):
             # rebuilding a nested tensor reads its sizes and copies its values: their receives must be posted (and
             # waited for) first. Nested tensors cross only in evaluation, where nothing is gained by deferring them

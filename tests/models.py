@@ -1016,6 +1016,26 @@ class HandsOnDTensors(TensorParallelPlanOnly):
         return loss
 
 
+class SamplesDTensors(HandsOnDTensors):
+    """`HandsOnDTensors` that also passes a fixed input through the blocks at the end of every training epoch (an
+    eager pass: the DTensors between the blocks cross stages there too), keeping what the head gives."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.samples: list[torch.Tensor] = []
+
+    def on_train_epoch_end(self) -> None:
+        from torch.distributed.tensor import DTensor
+
+        with torch.no_grad():
+            hidden = self.inp(torch.linspace(-1, 1, 20, device=self.device).reshape(2, 10))
+            for block in self.blocks:
+                hidden = block(hidden)
+            if isinstance(hidden, DTensor):
+                hidden = hidden.full_tensor()
+            self.samples.append(self.head(hidden).cpu())
+
+
 class WideTensorParallel(TensorParallelPlanOnly):
     """1 GiB of fp32 weights: 32 residual blocks of two 2048 x 2048 layers, each split column- then row-wise (large
     enough that the memory a rank holds shows well above the 60-90 MiB its process groups and allocator take)."""
@@ -1110,6 +1130,7 @@ MODELS["wide_tp"] = WideTensorParallel
 MODELS["tp_mlp_plan_only"] = TensorParallelPlanOnly
 MODELS["tp_fully_shards_its_model"] = FullyShardsItsModel
 MODELS["hands_on_dtensors"] = HandsOnDTensors
+MODELS["samples_dtensors"] = SamplesDTensors
 
 
 def _materialized(build: Callable[[], L.LightningModule]) -> L.LightningModule:

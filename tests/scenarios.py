@@ -93,6 +93,7 @@ def _train(strategy: Any, model: str, max_steps: int, batch_size: int, trainer: 
             "batches": batches.batches if batches is not None else None,
             "batch_end_outputs": getattr(module, "batch_end_outputs", None),
             "weight_dtypes": dtypes.dtypes if dtypes is not None else None,
+            "samples": getattr(module, "samples", None),
             "global_rank": module.trainer.global_rank,
             "environment": type(getattr(used, "cluster_environment", None)).__name__,
             # the data-parallel layout as the strategy states it (None where it has no such attribute)

@@ -107,7 +107,7 @@ def job4(checkpoints: Path, job8: list[RankResult]) -> list[RankResult]:
             pipelined(trainer=OWN_LOADER, ckpt_path=str(checkpoints / "sharded")),
             {"scenario": "expect_error", "kwargs": {"model": "mlp_sgd", "pipeline_parallel_size": STAGES,
                                                     "tensor_parallel_size": TP}},
-            pipelined(trainer=OWN_LOADER, model="hands_on_dtensors"),
+            pipelined(trainer=OWN_LOADER, model="samples_dtensors"),
             pipelined(ckpt_path=str(checkpoints / "sharded"), tensor_parallel_size=1),
             pipelined(trainer=OWN_LOADER, model="llama_tp", microbatches=4),
             pipelined(trainer=OWN_LOADER, model="sp_mlp")]
@@ -204,10 +204,17 @@ def test_tensor_parallel_size_without_a_plan_is_refused_on_every_rank(job4: list
 @pytest.mark.timeout(600)
 def test_blocks_handing_each_other_dtensors_train_as_one_device(job4: list[RankResult]) -> None:
     """A DTensor a block hands on crosses the stage boundary as each tensor-parallel rank's local part, to the same
-    rank of the next stage, rebuilt there with its placements (gradients back alike)."""
-    module, logger = fit("hands_on_dtensors", **OWN_LOADER)
+    rank of the next stage, rebuilt there with its placements (gradients back alike); in an eager pass through the
+    blocks at the end of each epoch too, where every rank gets one device's output."""
+    module, logger = fit("samples_dtensors", **OWN_LOADER)
     full, history = assemble(ok(job4, 7), 7)
     assert_matches(full, history, {"state": module.state_dict(), "history": logger.history}, "DTensors across stages")
+    assert module.samples
+    for rank in ok(job4, 7):
+        got = rank.results[7]["samples"]
+        assert len(got) == len(module.samples)
+        for sample, expected in zip(got, module.samples, strict=True):
+            torch.testing.assert_close(sample, expected, rtol=1e-5, atol=5e-6)
 
 
 @pytest.mark.multiprocess

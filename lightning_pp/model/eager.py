@@ -24,9 +24,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from torch.distributed.tensor import DTensor
 
 from lightning_pp._tree import flatten, pack, packed_size, unflatten, unpack
 from lightning_pp.errors import PipelineCommError
+from lightning_pp.p2p import described_dtensor, rebuilt_dtensor
 
 __all__ = ["EagerLink"]
 
@@ -37,28 +39,33 @@ _DTYPES = {str(dtype): dtype for dtype in (torch.float32, torch.float64, torch.f
 class EagerLink:
     """Broadcasts of whole structures over the pipeline, each step waited for at most ``timeout`` seconds.
 
-    ``where()`` names this rank (its stage), ``hook()`` the Lightning hook running now (None: none).
+    ``where()`` names this rank (its stage), ``hook()`` the Lightning hook running now (None: none). A DTensor (a
+    tensor-parallel block's output) travels as this rank's part, to the ranks of its pipeline, which hold the same
+    part of the next stage, and is rebuilt there on the mesh ``mesh_of`` gives for its dimension names.
     """
 
     def __init__(self, group: Any, device: torch.device, timeout: float, where: Callable[[], str],
-                 hook: Callable[[], str | None]) -> None:
+                 hook: Callable[[], str | None], mesh_of: Callable[[tuple[str, ...]], Any] | None = None) -> None:
         self.group, self.device, self.timeout = group, device, timeout
-        self.where, self.hook = where, hook
+        self.where, self.hook, self.mesh_of = where, hook, mesh_of
 
     def broadcast(self, value: Any, source: int, what: str) -> Any:
         """``value`` (meaningful on global rank ``source`` only) on every rank of the pipeline."""
         mine = dist.get_rank() == source
         header = b""
         tensors: list[torch.Tensor] = []
+        distributed: list[list[Any]] = []
         if mine:
             tensors, spec = flatten(value)
-            header = json.dumps([spec, [[str(t.dtype), list(t.shape)] for t in tensors]]).encode()
+            distributed = [[i, *described_dtensor(t)] for i, t in enumerate(tensors) if isinstance(t, DTensor)]
+            tensors = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
+            header = json.dumps([spec, [[str(t.dtype), list(t.shape)] for t in tensors], distributed]).encode()
         size = torch.tensor([len(header)], dtype=torch.int64, device=self.device)
         self._broadcast(size, source, what)
         data = (torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device) if mine
                 else torch.empty(int(size.item()), dtype=torch.uint8, device=self.device))
         self._broadcast(data, source, what)
-        spec, described = json.loads(data.cpu().numpy().tobytes().decode())
+        spec, described, distributed = json.loads(data.cpu().numpy().tobytes().decode())
         layout = [(_DTYPES[dtype], shape) for dtype, shape in described]
         if not layout:
             return value if mine else unflatten(spec, [])
@@ -66,7 +73,13 @@ class EagerLink:
         payload = (pack([t.detach() for t in tensors], self.device) if mine
                    else torch.empty(packed_size(layout), dtype=torch.uint8, device=self.device))
         self._broadcast(payload, source, what)
-        return value if mine else unflatten(spec, unpack(payload, layout))
+        if mine:
+            return value
+        received = unpack(payload, layout)
+        for index, dims, placements, shape, stride in distributed:
+            assert self.mesh_of is not None  # a DTensor was sent: the job has a mesh
+            received[index] = rebuilt_dtensor(received[index], self.mesh_of(tuple(dims)), placements, shape, stride)
+        return unflatten(spec, received)
 
     def _broadcast(self, tensor: torch.Tensor, source: int, what: str) -> None:
         try:

@@ -89,7 +89,7 @@ class StageSession:
             p2p = connect_stages(groups, stage_to_rank, device, options.transfer_timeout, lambda ranks: (
                 dist.new_group(ranks, backend="gloo", timeout=options.group_timeout)))
         if pipelined:
-            self._connect_eager(options, stage_to_rank)
+            self._connect_eager(options, stage_to_rank, p2p)
         self.recorder = LogRecorder()
         self.recorder.attach(module, groups if pipelined else None)
         self._hook_logs = HookLogs(groups.pipeline) if pipelined and _logs_around_optimizer_step(module) else None
@@ -106,12 +106,13 @@ class StageSession:
         telemetry.device, telemetry.stage, telemetry.lane = device, self.stage, layout.lane_of(rank)
         telemetry.object_group, telemetry.view = object_group(), partition.view
 
-    def _connect_eager(self, options: PipelineOptions, stage_to_rank: Sequence[int]) -> None:
+    def _connect_eager(self, options: PipelineOptions, stage_to_rank: Sequence[int], p2p: StageP2P | None) -> None:
         """Passes through the blocks outside the pipelined micro-batches (see :mod:`lightning_pp.model.eager`)."""
         view, layout, lane = self.assembly.partition.view, self.layout, self.layout.lane_of(self.rank)
         view.eager = EagerLink(self.assembly.groups.pipeline, self.device, options.transfer_timeout,
                                where=lambda: f"stage {self.stage} (rank {self.rank})",
-                               hook=lambda: _compat.current_hook(self.module))
+                               hook=lambda: _compat.current_hook(self.module),
+                               mesh_of=p2p.mesh_of if p2p is not None else None)
         view.rank_of = lambda stage: layout.rank(stage_to_rank[stage], lane)
         placement = self.assembly.placement
         if placement is not None:
