@@ -11,7 +11,7 @@ import torch
 from lightning_pp._tree import flatten
 from lightning_pp.errors import PipelineConfigError
 
-__all__ = ["RemoteBlockOutput", "marked_remote", "refuse_remote"]
+__all__ = ["RemoteBlockOutput", "marked_remote", "refuse_reached", "refuse_remote", "remote_placeholder"]
 
 _ONLY_THE_LAST = (
     "A stage receives only the output of the block just before its own blocks: the outputs of earlier blocks are not "
@@ -48,6 +48,36 @@ def marked_remote(t: torch.Tensor) -> torch.Tensor:
     from torch.distributed.tensor import DTensor
 
     return t if t.is_nested or isinstance(t, DTensor) else t.as_subclass(RemoteBlockOutput)
+
+
+def remote_placeholder(t: torch.Tensor) -> torch.Tensor:
+    """What stands in for the output of a block another stage holds where ``t`` (the received activation, a
+    DTensor) cannot be marked: a new leaf of NaN (integers: zeros) laid out as ``t``, which :func:`refuse_reached`
+    finds in what a step computed from it, and whose values poison any result computed from it where there is no
+    graph to search (evaluation)."""
+    fill = float("nan") if t.is_floating_point() else 0
+    return torch.full_like(t.detach(), fill).requires_grad_(t.requires_grad)
+
+
+def refuse_reached(value: Any, placeholders: list[torch.Tensor], what: str) -> None:
+    """Raise our error if the autograd graph of ``value`` (the tensors in it) reaches one of ``placeholders``
+    (:func:`remote_placeholder`): it was computed from the output of a block another stage holds."""
+    wanted = {id(p) for p in placeholders}
+    try:
+        tensors = flatten(value)[0]
+    except PipelineConfigError:
+        tensors = [value] if isinstance(value, torch.Tensor) else []
+    stack = [t.grad_fn for t in tensors if t.grad_fn is not None]
+    seen: set[Any] = set()
+    while stack:
+        node = stack.pop()
+        if node in seen:
+            continue
+        seen.add(node)
+        if id(getattr(node, "variable", None)) in wanted:
+            raise PipelineConfigError(
+                f"{what} is computed from the output of a block held by another pipeline stage. {_ONLY_THE_LAST}")
+        stack.extend(next_node for next_node, _ in node.next_functions if next_node is not None)
 
 
 def refuse_remote(value: Any, what: str) -> None:

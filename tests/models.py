@@ -1036,6 +1036,23 @@ class SamplesDTensors(HandsOnDTensors):
             self.samples.append(self.head(hidden).cpu())
 
 
+class SkipsOverDTensors(HandsOnDTensors):
+    """`HandsOnDTensors` adding the first block's output to the last one's (a skip connection across stages, over
+    DTensors): refused with our error, since a DTensor cannot be marked as another stage's output."""
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        from torch.distributed.tensor import DTensor
+
+        x, y = batch
+        hidden = first = self.blocks[0](self.inp(x))
+        for block in self.blocks[1:]:
+            hidden = block(hidden)
+        hidden = hidden + first
+        if isinstance(hidden, DTensor):
+            hidden = hidden.full_tensor()
+        return nn.functional.cross_entropy(self.head(hidden), y)
+
+
 class WideTensorParallel(TensorParallelPlanOnly):
     """1 GiB of fp32 weights: 32 residual blocks of two 2048 x 2048 layers, each split column- then row-wise (large
     enough that the memory a rank holds shows well above the 60-90 MiB its process groups and allocator take)."""
@@ -1131,6 +1148,7 @@ MODELS["tp_mlp_plan_only"] = TensorParallelPlanOnly
 MODELS["tp_fully_shards_its_model"] = FullyShardsItsModel
 MODELS["hands_on_dtensors"] = HandsOnDTensors
 MODELS["samples_dtensors"] = SamplesDTensors
+MODELS["skips_over_dtensors"] = SkipsOverDTensors
 
 
 def _materialized(build: Callable[[], L.LightningModule]) -> L.LightningModule:

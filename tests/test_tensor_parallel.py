@@ -97,7 +97,7 @@ def job4(checkpoints: Path, job8: list[RankResult]) -> list[RankResult]:
     zb_h1, interleaved 1F1B, clipping by the global norm; the 8-process job's sharded checkpoint resumed here (no step
     left: its weights); tensor_parallel_size with a module that applies no plan; blocks that hand each other DTensors;
     the sharded checkpoint resumed at 2 stages x 2 replicas without tensor parallelism; Hugging Face's Llama with its
-    layers split; sequence parallelism."""
+    layers split; sequence parallelism; a skip connection across stages over DTensors."""
     runs = [{"scenario": "meta_memory", "kwargs": {"model": "wide_tp", "pipeline_parallel_size": STAGES,
                                                    "tensor_parallel_size": TP}},  # first: in fresh processes
             pipelined(trainer=OWN_LOADER, save_to=str(checkpoints / "full.ckpt")),
@@ -110,7 +110,11 @@ def job4(checkpoints: Path, job8: list[RankResult]) -> list[RankResult]:
             pipelined(trainer=OWN_LOADER, model="samples_dtensors"),
             pipelined(ckpt_path=str(checkpoints / "sharded"), tensor_parallel_size=1),
             pipelined(trainer=OWN_LOADER, model="llama_tp", microbatches=4),
-            pipelined(trainer=OWN_LOADER, model="sp_mlp")]
+            pipelined(trainer=OWN_LOADER, model="sp_mlp"),
+            # last: the job ends where a stage fails
+            {"scenario": "expect_error", "kwargs": {"model": "skips_over_dtensors", "trainer": OWN_LOADER,
+                                                    "pipeline_parallel_size": STAGES, "tensor_parallel_size": TP,
+                                                    "timeout": 10}}]
     return launch(STAGES * TP, runs, timeout=240)
 
 
@@ -215,6 +219,21 @@ def test_blocks_handing_each_other_dtensors_train_as_one_device(job4: list[RankR
         assert len(got) == len(module.samples)
         for sample, expected in zip(got, module.samples, strict=True):
             torch.testing.assert_close(sample, expected, rtol=1e-5, atol=5e-6)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_a_skip_connection_across_stages_over_dtensors_is_refused(job4: list[RankResult]) -> None:
+    """A DTensor cannot be marked as another stage's block output: what stands in for it is a NaN leaf, and the first
+    training step refuses a result whose graph reaches one, on the stage that computed it (the others end too)."""
+    index = len(job4[0].results) - 1
+    errors = [rank.results[index] for rank in job4]
+    last_stage = errors[STAGES * TP - TP:]
+    for error in last_stage:
+        assert error["type"] == "PipelineConfigError", error
+        assert "is computed from the output of a block held by another pipeline stage" in error["message"], error
+        assert "carry_block_outputs=True" in error["message"]
+    assert all(error["type"] != "none" for error in errors), errors
 
 
 @pytest.mark.multiprocess

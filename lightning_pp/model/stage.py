@@ -24,10 +24,11 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from lightning_pp import _compat
-from lightning_pp._remote import marked_remote
+from lightning_pp._remote import marked_remote, remote_placeholder
 from lightning_pp._tree import map_tensors
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.model.eager import EagerLink
@@ -208,6 +209,7 @@ class StageView:
         self.pass_context: Callable[[], AbstractContextManager[Any]] = nullcontext
         self._received: Any = None  # what the previous stage sent (micro-batch) or the joined output (finish)
         self._handed: Any = None  # the received structure as handed to the blocks (cloned once per micro-batch)
+        self.placeholders: list[torch.Tensor] = []  # what stood in for other stages' DTensor outputs in this pass
         self.sides = SideOutputs()  # the outputs that hooks inside this stage's blocks record
         self._received_sides: Sides = []  # what the blocks of earlier stages recorded, as received
         self._sides_of: dict[int, Sides] = {}  # those records by block, until its stand-in replays them
@@ -336,7 +338,14 @@ class StageView:
                 if self._finish_passes > 1:
                     raise SeveralPasses()
             return self._handed
-        return _fresh(recorded) if recorded is not None else map_tensors(self._handed, marked_remote)
+        return _fresh(recorded) if recorded is not None else map_tensors(self._handed, self._remote)
+
+    def _remote(self, t: torch.Tensor) -> torch.Tensor:
+        if not isinstance(t, DTensor):
+            return marked_remote(t)
+        placeholder = remote_placeholder(t)  # a DTensor cannot be marked: see StepDriver's first-step check
+        self.placeholders.append(placeholder)
+        return placeholder
 
     def _before_first_block(self, stage: int, module: nn.Module, args: Any) -> None:
         if self.mode is Mode.MICROBATCH and stage == self.stage:
@@ -382,6 +391,7 @@ class StageView:
         self._boundary_output = received
         self._sides_of = _by_block(self._received_sides)
         self.mode, self._received, self._handed = Mode.MICROBATCH, received, None
+        self.placeholders = []
         self.stop_after_blocks, self.last_block_calls = stop_after_blocks, 0
         self.passes_at_rest = 0
         try:

@@ -23,7 +23,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
 from lightning_pp._logs import LogRecorder, replay
-from lightning_pp._remote import refuse_remote
+from lightning_pp._remote import refuse_reached, refuse_remote
 from lightning_pp.actions import Schedule
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.microbatch import batch_size, merge_microbatches, split_batch
@@ -104,6 +104,7 @@ class StepDriver:
         self.outside = outside or list
         self.randomness = StepRandomness(device)
         self.steps_run = 0  # pipelined steps so far (the same count on every stage): seeds their random numbers
+        self.trained = False  # whether a training step ran (the first one checks what stood in for remote outputs)
         self.last_schedule: Schedule | None = None
         # this step's gradients, handed to Lightning in the strategy's `backward`
         self.pending_grads: list[tuple[torch.nn.Parameter, Tensor]] = []
@@ -179,6 +180,7 @@ class StepDriver:
         finally:
             self.view.on_blocks_start = None
         if step.training:
+            self.trained = True
             self.pending_grads = [(p, p.grad) for p in params if p.grad is not None]
             for p, grad in zip(params, previous, strict=True):
                 p.grad = grad
@@ -266,6 +268,7 @@ class _Step:
             try:
                 output = self.user_step(self.microbatches[mb], *self.rest, **self.kwargs)
             except StageOutput as end:
+                self._refuse_placeholders(end.output)
                 if not last_pass:
                     return with_sides(end.output, end.sides)
                 self.block_outputs[mb], self.block_sides[mb] = end.output, end.sides
@@ -277,7 +280,16 @@ class _Step:
                 f"every block of the container once per micro-batch (through the model's forward or a loop)."
             )
         refuse_remote(output, f"What {self.name} returned")
+        self._refuse_placeholders(output)
         return self._weighted_loss(mb, output)
+
+    def _refuse_placeholders(self, output: Any) -> None:
+        """On the first training step (the structure of a step does not change): the pass's result must not depend on
+        what stood in for another stage's DTensor outputs (a skip connection across stages; see
+        :func:`~lightning_pp._remote.remote_placeholder`)."""
+        placeholders = self.driver.view.placeholders
+        if placeholders and self.training and not self.driver.trained:
+            refuse_reached(output, placeholders, f"What {self.name} computed on stage {self.driver.view.stage}")
 
     def _weighted_loss(self, mb: int, output: Any) -> Tensor:
         """Keep what training_step returned for micro-batch ``mb``; its loss weighted by the micro-batch's share (and
