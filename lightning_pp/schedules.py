@@ -328,59 +328,60 @@ def _dualpipev(num_ranks: int, num_microbatches: int, stages_per_rank: int = 2) 
             f"Schedule 'dualpipev' needs at least as many micro-batches as stages (2 x {p} ranks = {2 * p}), got "
             f"{m}. Pass microbatches >= {2 * p}, or use 'zbv' (any count)."
         )
-    lists = []
-    for rank in range(p):
-        down, up = rank, 2 * p - 1 - rank
-        forwards, backwards = {down: 0, up: 0}, {down: 0, up: 0}  # the next micro-batch of each stage's F, B or I
-        pending: list[Action] = []  # the W's owed by I's, run first-in first-out where the lists leave room
-        actions: list[Action] = []
+    return [_dualpipev_rank(rank, p, m) for rank in range(p)]
 
-        def forward(stage: int, actions: list[Action] = actions, forwards: dict[int, int] = forwards) -> None:
-            actions.append(Action(stage, _F, forwards[stage]))
-            forwards[stage] += 1
 
-        def backward(stage: int, split: bool = False, actions: list[Action] = actions,
-                     backwards: dict[int, int] = backwards, pending: list[Action] = pending) -> None:
-            actions.append(Action(stage, _I if split else _B, backwards[stage]))
-            if split:
-                pending.append(Action(stage, _W, backwards[stage]))
-            backwards[stage] += 1
+def _dualpipev_rank(rank: int, p: int, m: int) -> list[Action]:
+    """Rank ``rank``'s list of :func:`_dualpipev`."""
+    down, up = rank, 2 * p - 1 - rank
+    forwards, backwards = {down: 0, up: 0}, {down: 0, up: 0}  # the next micro-batch of each stage's F, B or I
+    pending: list[Action] = []  # the W's owed by I's, run first-in first-out where the list leaves room
+    actions: list[Action] = []
 
-        def deferred_weight(actions: list[Action] = actions, pending: list[Action] = pending) -> None:
-            if pending:
-                actions.append(pending.pop(0))
+    def forward(stage: int) -> None:
+        actions.append(Action(stage, _F, forwards[stage]))
+        forwards[stage] += 1
 
-        for _ in range(2 * (p - rank - 1)):  # warm-up: fill the way down
-            forward(down)
-        for _ in range(rank + 1):
-            forward(down)
-            forward(up)
-        for _ in range(p - rank - 1):  # the way back up starts, zero-bubble style
-            backward(up, split=True)
-            deferred_weight()
-            forward(up)
-        for _ in range(m - 2 * p + rank + 1):  # steady state: forward of one stage with the backward of the other
-            forward(down)
-            backward(up)
-            forward(up)
-            backward(down)
-        for _ in range(p - rank - 1):
-            backward(up)
-            forward(up)
-            backward(down)
-        split = False  # the cool-down's second half splits its backwards, so that W's fill the drain
-        for i in range(rank + 1):
-            split = split or (i == (rank + 1) // 2 and rank % 2 == 1)
-            backward(up, split)
-            split = split or (i == (rank + 1) // 2 and rank % 2 == 0)
-            backward(down, split)
-        for _ in range(p - rank - 1):
-            deferred_weight()
-            backward(down, split)
-        while pending:
-            deferred_weight()
-        lists.append(actions)
-    return lists
+    def backward(stage: int, split: bool = False) -> None:
+        actions.append(Action(stage, _I if split else _B, backwards[stage]))
+        if split:
+            pending.append(Action(stage, _W, backwards[stage]))
+        backwards[stage] += 1
+
+    def deferred_weight() -> None:
+        if pending:
+            actions.append(pending.pop(0))
+
+    for _ in range(2 * (p - rank - 1)):  # warm-up: fill the way down
+        forward(down)
+    for _ in range(rank + 1):
+        forward(down)
+        forward(up)
+    for _ in range(p - rank - 1):  # the way back up starts, zero-bubble style
+        backward(up, split=True)
+        deferred_weight()
+        forward(up)
+    for _ in range(m - 2 * p + rank + 1):  # steady state: forward of one stage with the backward of the other
+        forward(down)
+        backward(up)
+        forward(up)
+        backward(down)
+    for _ in range(p - rank - 1):
+        backward(up)
+        forward(up)
+        backward(down)
+    split = False  # the cool-down's second half splits its backwards, so that W's fill the drain
+    for i in range(rank + 1):
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 1)
+        backward(up, split)
+        split = split or (i == (rank + 1) // 2 and rank % 2 == 0)
+        backward(down, split)
+    for _ in range(p - rank - 1):
+        deferred_weight()
+        backward(down, split)
+    while pending:
+        deferred_weight()
+    return actions
 
 
 # the schedules of one stage per rank with a full backward (B)

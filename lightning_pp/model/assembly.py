@@ -155,9 +155,7 @@ def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout
     if earlier is None:
         earlier = _EARLIER_RUNS[module] = _EarlierRun(partition)
         if rank == 0:  # which container was found (or named), and how it was split
-            view = partition.view
-            print(f"lightning_pp: `{view.container_name}` ({view.ranges[-1].stop} blocks) split into "
-                  f"{view.num_stages} stages of {[len(r) for r in view.ranges]} blocks")
+            _print_split(partition)
     if recompute_every:
         partition.view.checkpoint_blocks(recompute_every)
     sharding = sharding if earlier.sharding is None else None  # a later run keeps the earlier run's shards
@@ -192,10 +190,22 @@ def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout
         placement = earlier.placement = WeightPlacement(module, shared, stage, layout.num_stages,
                                                         partition.view.container)
     partition.view.pass_context = placement.reads if placement is not None else contextlib.nullcontext
+    return StageAssembly(partition, groups, _gradients(shared, placement, groups, device, new_group), placement,
+                         place_where_used, earlier.sharding, made)
+
+
+def _gradients(shared: list[nn.Parameter], placement: WeightPlacement | None, groups: StageGroups,
+               device: torch.device, new_group: Callable[[list[int]], Any]) -> PipelineGradients:
     grads = PipelineGradients(shared, groups, device)
     if placement is not None and placement.users:  # an earlier run's sharded weights stay placed
         _sum_shared_weights(placement, grads, groups, new_group)
-    return StageAssembly(partition, groups, grads, placement, place_where_used, earlier.sharding, made)
+    return grads
+
+
+def _print_split(partition: Partition) -> None:
+    view = partition.view
+    print(f"lightning_pp: `{view.container_name}` ({view.ranges[-1].stop} blocks) split into {view.num_stages} stages "
+          f"of {[len(r) for r in view.ranges]} blocks")
 
 
 def _refuse_unshardable(module: nn.Module, partition: Partition, layout: PipelineLayout, rank: int,

@@ -207,6 +207,25 @@ def _forward_shape_only(module: nn.Module, twin: nn.Module, dtypes: list[torch.d
     return _shape_only(twin, dtypes, device, module.training, args, kwargs)
 
 
+def _compute_shapes_only(module: nn.Module, dtypes: list[torch.dtype] | None) -> None:
+    """Make ``module`` (staying in its place, holding its weights) return NaN of its outputs' shapes."""
+    module.forward = functools.partial(  # type: ignore[method-assign]
+        _forward_shape_only, module, meta_twin(module), dtypes, next(module.parameters()).device)
+
+
+def _agreed(weights: list[nn.Parameter], agree: Callable[[Tensor], Tensor],
+            qualifies: Callable[[nn.Parameter, set[int]], bool]) -> set[int]:
+    """The weights (ids) that every rank finds ``qualifies`` given the others that do: the largest such set. The
+    candidates only shrink, and every rank sees the same agreed flags, so every rank runs the same rounds."""
+    candidates = {id(p) for p in weights}
+    while True:
+        flags = torch.tensor([qualifies(p, candidates) for p in weights], dtype=torch.int32, device="cpu")
+        agreed = {id(p) for p, ok in zip(weights, agree(flags).tolist(), strict=True) if ok}
+        if agreed == candidates:
+            return candidates
+        candidates = agreed
+
+
 def _runs_on_meta(module: nn.Module, observation: Observation) -> str | None:
     """Why ``module``'s observed call cannot be repeated on a meta-device copy of it (None: it can)."""
     try:
@@ -515,12 +534,11 @@ class WeightPlacement:
         that each replica keeps 1/D of them. ``agree(flags)`` is the min of an int tensor over the world.
 
         A weight qualifies where every rank holding it (a tied one: each end) read it at most inside the forward of one
-        module holding it whose output reached the loss (not as ``x @ self.wte.weight.T`` reads it: a unit gathers a
-        weight only for its forward), that module holds nothing that does not qualify, and the other modules holding
-        it there ran before the blocks or not at all; only trainable weights this decision placed, of at least one
-        dimension, contiguous (what FSDP2 shards). The other modules holding it then compute shapes only, as the
-        stand-ins do (an embedding on the last stage, whose output the received activation replaces; a tied head the
-        first stage does not call), and eager passes take their outputs from a rank where the module is a unit."""
+        module holding it whose output reached the loss (a unit gathers a weight only for its forward), that module
+        holds nothing that does not qualify, and the other modules holding it there ran before the blocks or not at
+        all; only trainable weights this decision placed, of at least one dimension, contiguous (what FSDP2 shards).
+        The other modules holding it then compute shapes only (an embedding on the last stage, a tied head the first
+        stage does not call), and eager passes take their outputs from a rank where the module is a unit."""
         observation = self._observed
         assert observation is not None
         replaced = {id(holder.module) for holder, _ in self._replaced}
@@ -558,22 +576,13 @@ class WeightPlacement:
         trained = torch.tensor([id(p) not in self._released and bool(unit_of(p)) for p in self.weights],
                                dtype=torch.int32, device="cpu")
         fed = {id(p) for p, none in zip(self.weights, agree(1 - trained).tolist(), strict=True) if not none}
-        candidates = {id(p) for p in self.weights}
-        while True:  # the candidates only shrink, and every rank sees the same agreed flags: the same rounds
-            flags = torch.tensor([qualifies(p, candidates) for p in self.weights], dtype=torch.int32, device="cpu")
-            agreed = {id(p) for p, ok in zip(self.weights, agree(flags).tolist(), strict=True) if ok}
-            if agreed == candidates:
-                break
-            candidates = agreed
+        candidates = _agreed(self.weights, agree, qualifies)
         self._sharded |= {i for i, p in enumerate(self.weights) if id(p) in candidates}
         self._just_decided, self._observed = set(), None
         held = [p for p in self.weights if id(p) in candidates and id(p) not in self._released]
         units = {id(h.module): h for p in held for h in unit_of(p)}
         for holder in {id(h.module): h for p in held for h in holding(p) if id(h.module) not in units}.values():
-            module = holder.module
-            module.forward = functools.partial(  # type: ignore[method-assign]
-                _forward_shape_only, module, meta_twin(module), observation.output_dtypes.get(id(module)),
-                next(module.parameters()).device)
+            _compute_shapes_only(holder.module, observation.output_dtypes.get(id(holder.module)))
         self._agree_on_sources(agree, set(units))
         self._share_held_outputs()
         bare = [p for p in held if not unit_of(p)]
