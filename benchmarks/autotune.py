@@ -44,41 +44,16 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     from lightning_pp import PipelineParallelStrategy
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from models import SplitSleepLayer  # the test suite's: F, I and W each sleep (here per row)
+
     torch.set_num_threads(1)
-
-    class Sleep(torch.autograd.Function):
-        """Identity whose forward and backward each sleep a given time."""
-
-        @staticmethod
-        def forward(ctx: Any, x: torch.Tensor, forward_s: float, backward_s: float) -> torch.Tensor:
-            ctx.backward_s = backward_s
-            time.sleep(forward_s)
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-            time.sleep(ctx.backward_s)
-            return grad, None, None
-
-    class RowSleepLayer(nn.Module):
-        """Forward, input gradient and weight gradient each sleep ``seconds`` per row; the weight's path joins the
-        input's at the sum, so a zero-bubble schedule's W computes it apart from I."""
-
-        def __init__(self, seconds: float) -> None:
-            super().__init__()
-            self.gain = nn.Parameter(torch.ones(()))  # so the input path needs a gradient on the first stage too
-            self.scale = nn.Parameter(torch.zeros(()))
-            self.seconds = seconds
-
-        def forward(self, x: torch.Tensor) -> torch.Tensor:
-            s = self.seconds * x.shape[0]
-            return Sleep.apply(x * self.gain, s, s) + Sleep.apply(self.scale, 0.0, s)
 
     class SlowFirst(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
             per_row = spec["us_per_row"] / 1e6
-            self.blocks = nn.Sequential(*[RowSleepLayer(per_row * (SLOWDOWN if i == 0 else 1))
+            self.blocks = nn.Sequential(*[SplitSleepLayer(per_row * (SLOWDOWN if i == 0 else 1), per_row=True)
                                           for i in range(BLOCKS)])
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:

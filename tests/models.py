@@ -520,17 +520,19 @@ class SleepLayer(nn.Module):
 
 
 class SplitSleepLayer(nn.Module):
-    """Forward, input gradient and weight gradient each sleep ``seconds`` (F = I = W): the weight's path joins the
-    input's at the sum, so a zero-bubble schedule's W computes it apart from I."""
+    """Forward, input gradient and weight gradient each sleep ``seconds`` (F = I = W; ``per_row``: that much per row
+    of the input, as a GPU's time grows with the micro-batch): the weight's path joins the input's at the sum, so a
+    zero-bubble schedule's W computes it apart from I."""
 
-    def __init__(self, seconds: float) -> None:
+    def __init__(self, seconds: float, per_row: bool = False) -> None:
         super().__init__()
         self.gain = nn.Parameter(torch.ones(()))  # so the input path needs a gradient on the first stage too
         self.scale = nn.Parameter(torch.zeros(()))
-        self.seconds = seconds
+        self.seconds, self.per_row = seconds, per_row
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return _Sleep.apply(x * self.gain, self.seconds, self.seconds) + _Sleep.apply(self.scale, 0.0, self.seconds)
+        s = self.seconds * (x.shape[0] if self.per_row else 1)
+        return _Sleep.apply(x * self.gain, s, s) + _Sleep.apply(self.scale, 0.0, s)
 
 
 class Sleepy(L.LightningModule):
