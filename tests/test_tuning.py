@@ -117,3 +117,38 @@ def test_auto_chosen_configurations_train_as_one_device() -> None:
     assert len(chosen) == 3, ranks[0].output[-3000:]
     assert " m=4 " in chosen[1], chosen
     assert not any("schedule='auto' chose" in line for line in ranks[1].output.splitlines())
+
+
+def test_auto_in_one_process_chooses_then_keeps_its_choice(capsys: pytest.CaptureFixture[str]) -> None:
+    """One process holding every stage (several stages per rank are candidates): fit measures, prints and runs its
+    choice, which the strategy keeps for a later run (its options are concrete from then on)."""
+    import lightning as L
+    from models import Lifecycle, make_data
+
+    strategy = PipelineParallelStrategy(schedule="auto")
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=2, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                        num_sanity_val_steps=0, limit_val_batches=0)
+    module = Lifecycle()
+    trainer.fit(module, make_data("lifecycle"))
+    choice = strategy.telemetry.auto_choice
+    assert choice is not None and "schedule='auto' chose" in capsys.readouterr().out
+    assert (strategy.options.schedule, strategy.options.microbatches) == (choice.schedule, choice.microbatches)
+    trainer.validate(module, make_data("lifecycle", seed=3), verbose=False)
+    assert strategy.options.schedule == choice.schedule
+
+
+def test_auto_outside_fit_runs_the_default_keeping_what_is_fixed(caplog: pytest.LogCaptureFixture) -> None:
+    import logging
+
+    import lightning as L
+    from models import Lifecycle, make_data
+
+    strategy = PipelineParallelStrategy(schedule="auto", stages_per_rank=2)
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, enable_progress_bar=False,
+                        enable_model_summary=False)
+    with caplog.at_level(logging.INFO, logger="lightning_pp"):
+        trainer.validate(Lifecycle(), make_data("lifecycle"), verbose=False)
+    assert strategy.options.schedule == "interleaved_1f1b" and strategy.telemetry.auto_choice is None
+    assert "schedule='auto' runs the default configuration (interleaved_1f1b): trainer.validate does not train" in (
+        caplog.text)
