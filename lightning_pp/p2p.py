@@ -294,9 +294,9 @@ class StageP2P:
             self._post(self._unposted[action.type].popleft())
         packet, work, expected = self._posted.pop(action)
         self._posted_count[action.type] -= 1
+        self._post_ahead(action.type)  # before waiting: posting then costs nothing where the transfer is late
         self._wait(work, action, "waiting for the header", self._poll and self.header_groups is None)
         header_arrived = time.perf_counter()
-        self._post_ahead(action.type)
         header = packet if self.header_groups is not None else packet[:_HEADER_BYTES].view(torch.int64)
         values = header.tolist()
         spec_len, count = values[0], values[1]

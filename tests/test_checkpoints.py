@@ -36,9 +36,14 @@ def test_full_checkpoint_loads_in_plain_lightning_and_resumes_everywhere(tmp_pat
     assert_params_close(resumed_single, uninterrupted, "2-stage checkpoint resumed on one device")
 
     ranks = launch(4, [epochs_run(schedule="1f1b", microbatches=4, max_epochs=2, ckpt_path=two_stage_ckpt,
-                                  trainer={})],
+                                  trainer={}),
+                       epochs_run(schedule="dualpipev", microbatches=8, max_epochs=2, ckpt_path=two_stage_ckpt,
+                                  trainer={}),
+                       epochs_run(schedule="auto", max_epochs=2, ckpt_path=two_stage_ckpt, trainer={})],
                    timeout=200)
     assert_params_close(assemble(ranks, 0)[0], uninterrupted, "2-stage checkpoint resumed on 4 stages")
+    assert_params_close(assemble(ranks, 1)[0], uninterrupted, "2-stage checkpoint resumed on DualPipeV's 8 stages")
+    assert_params_close(assemble(ranks, 2)[0], uninterrupted, "2-stage checkpoint resumed as schedule='auto' chose")
 
 
 def test_sharded_checkpoint_resumes_on_other_stage_counts(tmp_path: Path) -> None:
@@ -50,8 +55,11 @@ def test_sharded_checkpoint_resumes_on_other_stage_counts(tmp_path: Path) -> Non
     assert sorted(p.name for p in Path(four).iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp", "checkpoint.pt"]
     ranks = launch(2, [epochs_run(schedule="1f1b", microbatches=2, max_epochs=2, ckpt_path=four,
+                                  checkpoint_format="sharded", trainer={}),
+                       epochs_run(schedule="dualpipev", microbatches=4, max_epochs=2, ckpt_path=four,
                                   checkpoint_format="sharded", trainer={})], timeout=200)
     assert_params_close(assemble(ranks, 0)[0], uninterrupted, "4-stage sharded checkpoint resumed on 2 stages")
+    assert_params_close(assemble(ranks, 1)[0], uninterrupted, "4-stage sharded checkpoint resumed on DualPipeV's V")
 
 
 def test_model_checkpoint_early_stopping_and_lr_monitor_decide_as_single_device(tmp_path: Path) -> None:

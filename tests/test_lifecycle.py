@@ -16,8 +16,8 @@ pytestmark = pytest.mark.multiprocess
 @pytest.mark.parametrize("world_size", [2, 4])
 def test_validation_test_predict_and_metrics_match_single_device(world_size: int) -> None:
     # interleaved on 2 ranks: predict's batches of 5 break its rule (5 % (5 // 2) != 0) and run as a forward sweep
-    extra = ("interleaved_1f1b", 8) if world_size == 2 else ("zbv", 8)
-    check_lifecycle(world_size, [("1f1b", world_size), ("gpipe", 3), extra])
+    extra = [("interleaved_1f1b", 8), ("dualpipev", 4)] if world_size == 2 else [("zbv", 8)]
+    check_lifecycle(world_size, [("1f1b", world_size), ("gpipe", 3), *extra])
 
 
 @pytest.mark.parametrize("world_size", [2, 4])

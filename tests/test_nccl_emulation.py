@@ -78,7 +78,8 @@ def test_payload_wait_is_timed_as_communication_not_compute() -> None:
 
 def test_schedules_match_single_device() -> None:
     runs = [pipelined("mlp", schedule=s, microbatches=m)
-            for s, m in [("1f1b", 4), ("gpipe", 3), ("interleaved_1f1b", 4), ("zb_h1", 4), ("zbv", 4)]]
+            for s, m in [("1f1b", 4), ("gpipe", 3), ("interleaved_1f1b", 4), ("zb_h1", 4), ("zbv", 4),
+                         ("dualpipev", 4)]]
     runs += [pipelined("tied_sgd", schedule="1f1b", microbatches=2)]
     ranks = launch(2, runs, timeout=300)
     for index, run in enumerate(runs):

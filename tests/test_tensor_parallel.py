@@ -97,7 +97,7 @@ def job4(checkpoints: Path, job8: list[RankResult]) -> list[RankResult]:
     zb_h1, interleaved 1F1B, clipping by the global norm; the 8-process job's sharded checkpoint resumed here (no step
     left: its weights); tensor_parallel_size with a module that applies no plan; blocks that hand each other DTensors;
     the sharded checkpoint resumed at 2 stages x 2 replicas without tensor parallelism; Hugging Face's Llama with its
-    layers split; sequence parallelism; a skip connection across stages over DTensors."""
+    layers split; sequence parallelism; dualpipev; a skip connection across stages over DTensors."""
     runs = [{"scenario": "meta_memory", "kwargs": {"model": "wide_tp", "pipeline_parallel_size": STAGES,
                                                    "tensor_parallel_size": TP}},  # first: in fresh processes
             pipelined(trainer=OWN_LOADER, save_to=str(checkpoints / "full.ckpt")),
@@ -111,6 +111,7 @@ def job4(checkpoints: Path, job8: list[RankResult]) -> list[RankResult]:
             pipelined(ckpt_path=str(checkpoints / "sharded"), tensor_parallel_size=1),
             pipelined(trainer=OWN_LOADER, model="llama_tp", microbatches=4),
             pipelined(trainer=OWN_LOADER, model="sp_mlp"),
+            pipelined("dualpipev", trainer=OWN_LOADER, microbatches=4),
             # last: the job ends where a stage fails
             {"scenario": "expect_error", "kwargs": {"model": "skips_over_dtensors", "trainer": OWN_LOADER,
                                                     "pipeline_parallel_size": STAGES, "tensor_parallel_size": TP,
@@ -129,7 +130,8 @@ def test_pipeline_by_tensor_parallel_equals_model_parallel_strategy(
     one_device = fit("tp_mlp", **OWN_LOADER)[0]  # ModelParallelStrategy(1, 2) equals one device
     for name, value in one_device.state_dict().items():
         torch.testing.assert_close(expected["state"][name], value, rtol=1e-5, atol=5e-6)
-    for index, label in enumerate(["pp2 x tp2 1f1b", "pp2 x tp2 zb_h1", "pp2 x tp2 interleaved_1f1b"], start=1):
+    runs = {1: "pp2 x tp2 1f1b", 2: "pp2 x tp2 zb_h1", 3: "pp2 x tp2 interleaved_1f1b", 11: "pp2 x tp2 dualpipev"}
+    for index, label in runs.items():
         full, history = assemble(ok(job4, index), index)
         assert_matches(full, history, expected, label)
 

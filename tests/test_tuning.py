@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 from _launch import launch
-from support import assert_trains_like, pipelined, reference
+from support import assemble, assert_params_close, assert_trains_like, pipelined, reference
 
 from lightning_pp import PipelineConfigError, PipelineParallelStrategy
 from lightning_pp.tuning import MeasuredCosts, search
@@ -107,14 +107,21 @@ def test_nothing_to_search_is_our_error() -> None:
 def test_auto_chosen_configurations_train_as_one_device() -> None:
     """``schedule="auto"`` on 2 ranks: rank 0 measures and prints its choice, every rank runs it, and training equals
     one device's (the probe leaves the module, its random state and the data order as they were); with the micro-batch
-    count fixed by the user, the choice keeps it; with a memory budget too."""
+    count fixed by the user, the choice keeps it; with a memory budget too; a module built on the meta device runs
+    the default configuration."""
     runs = [pipelined("mlp", schedule="auto"), pipelined("tied_sgd", schedule="auto", microbatches=4),
             pipelined("mlp_sgd", schedule="auto", max_memory=2**30)]
-    ranks = launch(2, runs, timeout=240)
+    # built on the meta device (each rank materializes its stage only, so no rank can time every block): the default
+    # configuration, trained as 1F1B on the same build
+    meta = [pipelined("mlp_sgd", schedule="auto", trainer={"meta": True}),
+            pipelined("mlp_sgd", schedule="1f1b", microbatches=2, trainer={"meta": True})]
+    ranks = launch(2, runs + meta, timeout=240)
     for index, run in enumerate(runs):
         assert_trains_like(ranks, index, run, reference(run["kwargs"]["model"]), f"auto {run['kwargs']}")
+    assert_params_close(assemble(ranks, len(runs))[0], assemble(ranks, len(runs) + 1)[0], "auto on a meta build")
     chosen = [line for line in ranks[0].output.splitlines() if "schedule='auto' chose" in line]
     assert len(chosen) == 3, ranks[0].output[-3000:]
+    assert "schedule='auto' runs the default configuration (1f1b)" in ranks[0].output, ranks[0].output[-3000:]
     assert " m=4 " in chosen[1], chosen
     assert not any("schedule='auto' chose" in line for line in ranks[1].output.splitlines())
 
@@ -138,17 +145,14 @@ def test_auto_in_one_process_chooses_then_keeps_its_choice(capsys: pytest.Captur
     assert strategy.options.schedule == choice.schedule
 
 
-def test_auto_outside_fit_runs_the_default_keeping_what_is_fixed(caplog: pytest.LogCaptureFixture) -> None:
-    import logging
-
+def test_auto_outside_fit_runs_the_default_keeping_what_is_fixed(capsys: pytest.CaptureFixture[str]) -> None:
     import lightning as L
     from models import Lifecycle, make_data
 
     strategy = PipelineParallelStrategy(schedule="auto", stages_per_rank=2)
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, enable_progress_bar=False,
                         enable_model_summary=False)
-    with caplog.at_level(logging.INFO, logger="lightning_pp"):
-        trainer.validate(Lifecycle(), make_data("lifecycle"), verbose=False)
+    trainer.validate(Lifecycle(), make_data("lifecycle"), verbose=False)
     assert strategy.options.schedule == "interleaved_1f1b" and strategy.telemetry.auto_choice is None
     assert "schedule='auto' runs the default configuration (interleaved_1f1b): trainer.validate does not train" in (
-        caplog.text)
+        capsys.readouterr().out)

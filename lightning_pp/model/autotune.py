@@ -12,7 +12,6 @@ even split), with a log line.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -35,7 +34,6 @@ from lightning_pp.tuning import MAX_MICROBATCHES, Candidate, MeasuredCosts, sear
 
 __all__ = ["choose_configuration"]
 
-log = logging.getLogger(__name__)
 
 # the runtime's own time per action (its bookkeeping, autograd's and the transfers' calls) where it is not measured
 _FRAMEWORK_S = {"cpu": 100e-6, "cuda": 30e-6}
@@ -71,7 +69,7 @@ def choose_configuration(options: PipelineOptions, module: pl.LightningModule, t
         several = (options.stages_per_rank or 1) > 1 or len(options.balance_list or []) > layout.num_stages
         schedule = "interleaved_1f1b" if several else "1f1b"  # what the user fixed still runs
         if rank == 0:
-            log.info(f"schedule='auto' runs the default configuration ({schedule}): {chosen}")
+            print(f"lightning_pp: schedule='auto' runs the default configuration ({schedule}): {chosen}")
         return dataclasses.replace(options, schedule=schedule, max_memory=None), None
     for logger in trainer.loggers:  # loggers write on global rank 0 only
         logger.log_hyperparams({"pipeline_auto/schedule": chosen.schedule, "pipeline_auto/microbatches":

@@ -1,12 +1,15 @@
 """What a pipelined step's last stage hands the pipeline's other stages, so that every stage returns what one device
 returns: the loss, the ``self.log`` calls, and the step's outputs where something reads them.
 
-Numbers travel in one fixed-size float64 broadcast: the training loss, flags, and the first :data:`_INLINE` logged
-numbers (more numbers follow in a second tensor). Outputs (what an evaluation or predict step returned, the other
-entries of a dict a training step returned) travel as tensors: their tensors packed into one byte buffer, and their
-structure (containers, plain values, each tensor's dtype and shape) pickled only when it differs from the previous
-step's. The names and options of the log records are likewise pickled only when they change. So a step whose outputs
-look like the previous step's costs two or three tensor broadcasts and no pickle.
+Numbers travel in one fixed-size float64 message: the training loss, flags, and the first :data:`_INLINE` logged
+numbers (more numbers follow in a second tensor). On gloo the other stages post its receive when their step starts
+(:meth:`ResultExchange.expect`) and the last stage sends it point to point, so the first stage, which finishes the step
+last, finds it waiting instead of meeting the source in a broadcast; elsewhere (NCCL, where a receive posted early
+would hold back the collectives queued behind it) it is broadcast. Outputs (what an evaluation or predict step
+returned, the other entries of a dict a training step returned) travel as tensors: their tensors packed into one byte
+buffer, and their structure (containers, plain values, each tensor's dtype and shape) pickled only when it differs
+from the previous step's. The names and options of the log records are likewise pickled only when they change. So a
+step whose outputs look like the previous step's costs one or two messages and no pickle.
 
 Outputs travel only when something on some stage reads them (:func:`outputs_read`): ``trainer.predict`` returning
 its predictions, a prediction writer, or a batch-end hook of a callback or the LightningModule that is not one of
@@ -48,6 +51,7 @@ _MESSAGE_LEN = 3 + _INLINE
 # flags: the records' layout follows (pickled); outputs follow; their structure follows (pickled)
 _LAYOUT, _OUTPUTS, _STRUCTURE, _AGAIN = 1, 2, 4, 8  # _AGAIN: the step runs again, eagerly (see model/eager.py)
 _PLAIN = (type(None), bool, int, float, str)
+_MESSAGE_TAG = 7  # the message's tag on gloo (the pipeline's group carries no other point-to-point messages)
 
 _BATCH_END = {"training_step": "on_train_batch_end", "validation_step": "on_validation_batch_end",
               "test_step": "on_test_batch_end", "predict_step": "on_predict_batch_end"}
@@ -128,7 +132,10 @@ class ResultExchange:
         self.group = groups.pipeline
         self.source = groups.last_stage_rank
         self.is_source = dist.get_rank() == self.source
-        self.device = torch.device("cpu") if dist.get_backend(self.group) == "gloo" else device
+        self.on_host = dist.get_backend(self.group) == "gloo"
+        self.device = torch.device("cpu") if self.on_host else device
+        self._others = [rank for rank in dist.get_process_group_ranks(self.group) if rank != self.source]
+        self._posted: tuple[Tensor, dist.Work] | None = None  # the next message's receive (gloo, not the source)
         # the previous step's record layout and output structure, the same on every stage
         self._layout: list[RecordLayout] = []
         self._structure: _Flat | None = None
@@ -138,6 +145,32 @@ class ResultExchange:
         flag = torch.tensor([float(wanted)], device=self.device)
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item())
+
+    def expect(self) -> None:
+        """Post the receive of the next step's message (gloo, not on the source; call when the step starts)."""
+        if self.on_host and not self.is_source and self._posted is None:
+            message = torch.empty(_MESSAGE_LEN, dtype=torch.float64, device="cpu")
+            work = dist.irecv(message, self.source, group=self.group, tag=_MESSAGE_TAG)
+            assert work is not None  # this rank is in the group
+            self._posted = message, work
+
+    def _exchange_message(self, message: Tensor) -> Tensor:
+        """The source's ``message`` as every stage receives it."""
+        if not self.on_host:
+            dist.broadcast(message, self.source, group=self.group)
+            return message
+        if self.is_source:
+            works = [dist.isend(message, rank, group=self.group, tag=_MESSAGE_TAG) for rank in self._others]
+            for work in works:
+                assert work is not None
+                work.wait()  # at once: every other stage posted its receive when its step started
+            return message
+        self.expect()  # (posted already, unless the step did not start through expect)
+        assert self._posted is not None
+        message, work = self._posted
+        self._posted = None
+        work.wait()
+        return message
 
     def share(self, loss: float | None, records: list[LogRecord], outputs: Any, send_outputs: bool,
               again: bool = False) -> tuple[float, list[LogRecord], Any, bool]:
@@ -160,7 +193,7 @@ class ResultExchange:
                                    device=self.device)
         else:
             message = torch.empty(_MESSAGE_LEN, dtype=torch.float64, device=self.device)
-        dist.broadcast(message, self.source, group=self.group)
+        message = self._exchange_message(message)
         if not self.is_source:
             values = message.tolist()
             loss, flags, count = values[0], int(values[1]), int(values[2])

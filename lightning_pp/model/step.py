@@ -132,6 +132,8 @@ class StepDriver:
             return self._run_eagerly(step_name, args, kwargs)
         step = _Step(self, step_name, args, kwargs, accumulation=accumulation, scaler=scaler)
         events: list[TimelineEvent] | None = [] if step.training and timing_sink is not None else None
+        if self._exchange is not None:
+            self._exchange.expect()
         self._run_schedule(step, events)
         result: Any = None
         extra: dict[str, Any] | None = None
@@ -192,7 +194,7 @@ class StepDriver:
         (every stage calls this); the outputs only where :meth:`decide_outputs` said so. Unchanged with one stage."""
         if self._exchange is None:
             return result, extra, records
-        with collective("the broadcast of the step's results from the pipeline's last stage"):
+        with collective("sharing the step's results from the pipeline's last stage"):
             sent_loss, records, sent, again = self._exchange.share(
                 result if step.training else None, records, extra if step.training else result,
                 self._send_outputs.get(step.name, True) and result is not _AGAIN, again=result is _AGAIN)
