@@ -100,6 +100,8 @@ class Schedule:
     num_microbatches: int
     actions: tuple[tuple[Action, ...], ...]
     stage_to_rank: tuple[int, ...] = ()
+    # receives whose sends ran in the previous step (a step cut out of a longer stream: lightning_pp.cross_batch)
+    in_flight: frozenset[Action] = frozenset()
 
     def __post_init__(self) -> None:
         if not self.stage_to_rank:

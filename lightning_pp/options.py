@@ -61,7 +61,9 @@ class PipelineOptions:
     stages per rank, round-robin: a bubble ``stages_per_rank`` times smaller), ``"zb_h1"`` (backward split into input
     and weight gradients, the weight part deferred into the bubble), ``"zbv"`` (zero bubble with 2 stages per rank in a
     V), ``"dualpipev"`` (DeepSeek's DualPipe in its V form: the V of ``"zbv"``, a forward of one stage paired with a
-    backward of the other; at least 2 micro-batches per rank), the path of a ``.csv`` file with one row of compute
+    backward of the other; at least 2 micro-batches per rank), ``"pipedream_2bw"`` (asynchronous, opt-in: PipeDream-2BW's
+    1F1B that never drains between batches, each batch's passes on the weights from two optimizer steps back, so
+    training is not one device's; see :mod:`lightning_pp.cross_batch`), the path of a ``.csv`` file with one row of compute
     actions per rank in torch.distributed.pipelining's format (it fixes the micro-batch count), or ``"auto"``: at the
     start of ``fit``, global rank 0 times the blocks on the first batch and the simulator picks the schedule,
     ``microbatches``, ``stages_per_rank``, ``balance`` and activation checkpointing it predicts fastest within
@@ -269,6 +271,15 @@ class PipelineOptions:
         check(memory is None or auto,
                f"max_memory={memory} only bounds what schedule='auto' chooses, but schedule={self.schedule!r}: pass "
                f"schedule='auto', or leave max_memory out.")
+        if self.schedule == "pipedream_2bw":  # keeping two versions is done for a stage's own, whole weights
+            for what, bad in (("tensor_parallel_size > 1", self.tensor_parallel_size > 1),
+                              ("data_parallel='fsdp'", self.data_parallel == "fsdp"),
+                              ("activation_checkpointing", bool(self.activation_checkpointing))):
+                check(not bad,
+                       f"schedule='pipedream_2bw' with {what}: its backwards may run after an optimizer step, on a "
+                       f"copy of the weights their forward used, which sharded weights (and a forward recomputed in "
+                       f"backward) do not have. Leave {what.split(' ')[0].split('=')[0]} out, or use a synchronous "
+                       f"schedule (schedule='1f1b').")
 
     @property
     def blocks_name(self) -> str | None:
@@ -330,6 +341,12 @@ class PipelineOptions:
                    f"The schedule file {self.schedule!r} has {self.schedule_file.num_ranks} rows (ranks) but each "
                    f"pipeline has {num_stages} ({where}): run it on {self.schedule_file.num_ranks} ranks per "
                    f"pipeline.")
+        microbatches = self.microbatches if self.microbatches is not None else 2 * num_stages
+        check(self.schedule != "pipedream_2bw" or microbatches >= num_stages,
+               f"schedule='pipedream_2bw' needs at least as many micro-batches as ranks in a pipeline "
+               f"(microbatches={microbatches}, {num_stages} ranks): with fewer, more than one earlier batch would "
+               f"still be in flight when a batch starts, needing more than two weight versions. Pass "
+               f"microbatches={num_stages} or more.")
         stages_per_rank = self.stages_per_rank
         if stages_per_rank is None:  # schedule="auto" chooses it (and fits it to a balance list)
             return

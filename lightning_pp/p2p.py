@@ -188,6 +188,7 @@ class StageP2P:
         # (action, works, buffers, polled): works and the buffers they read stay referenced until the send has
         # completed; ``polled``: payloads on NCCL, whose completion the host polls (not the headers' gloo sends)
         self._pending_sends: deque[_PendingSend] = deque()
+        self._sends_before_step = 0  # how many of them were posted before this step
         # NCCL: payload operations of consecutive transfer actions, posted together by :meth:`flush`
         self._batch: list[tuple[Action, dist.P2POp]] = []
         # posted payload batches holding receives (and the buffers they use), checked at the step's end
@@ -195,6 +196,7 @@ class StageP2P:
 
     def start_step(self, actions: Sequence[Action]) -> None:
         """Queue this step's receives in order and post the first ``prefetch`` of each direction."""
+        self._sends_before_step = len(self._pending_sends)
         for kind in _RECEIVES:
             self._unposted[kind] = deque(a for a in actions if a.type is kind)
             self._post_ahead(kind)
@@ -274,13 +276,15 @@ class StageP2P:
         """Drop the sends that have completed, so their buffers are freed during the step. Any that has, not only the
         oldest: on NCCL the headers' gloo sends report completion only once waited for, at the step's end."""
         still: deque[_PendingSend] = deque()
-        for action, works, buffers, polled in self._pending_sends:
+        before_step = self._sends_before_step
+        for index, (action, works, buffers, polled) in enumerate(self._pending_sends):
             if polled and all(work.is_completed() for work in works):  # gloo: only once waited for
                 for work in works:  # completed: returns at once, and raises what the transfer failed with
                     self._wait(work, action, "completing the send", polled)
+                before_step -= index < self._sends_before_step
             else:
                 still.append((action, works, buffers, polled))
-        self._pending_sends = still
+        self._pending_sends, self._sends_before_step = still, before_step
 
     def recv(self, action: Action) -> tuple[Any, float]:
         """Receive what ``action``'s peer sent; also return when its header arrived (perf_counter).
@@ -386,17 +390,23 @@ class StageP2P:
                 self._pending_sends.append((entries[0][0], works, buffers, self._poll))
         return first_receive
 
-    def wait_sends(self) -> None:
-        """Wait until every posted transfer has completed; called once per step so send buffers can be freed."""
+    def wait_sends(self, this_step: bool = True) -> None:
+        """Wait until every posted transfer has completed; called once per step so send buffers can be freed. Not
+        ``this_step``: leave the sends posted since the last :meth:`start_step` (a step cut out of a longer stream,
+        whose peer may receive them only in its next step, which this rank's next step waits for)."""
         self.flush()
         for action, works, _ in self._pending_recvs:
             for work in works:
                 self._wait(work, action, "receiving the tensor", self._poll)
         self._pending_recvs.clear()
-        for action, works, _, polled in self._pending_sends:
+        kept = self._pending_sends if this_step else deque(self._pending_sends)
+        done = len(self._pending_sends) if this_step else self._sends_before_step
+        for _ in range(done):
+            action, works, _, polled = kept.popleft()
             for work in works:
                 self._wait(work, action, "completing the send", polled)
-        self._pending_sends.clear()
+        self._pending_sends = kept
+        self._sends_before_step = len(kept)
 
     def _post_ahead(self, kind: ActionType) -> None:
         """Keep the receives of the next ``prefetch`` transfers of ``kind`` posted (in the order the peer sends)."""

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import time
 from collections.abc import Callable
+from contextlib import AbstractContextManager
 from typing import Any
 
 import torch
@@ -16,7 +17,7 @@ from lightning_pp.p2p import StageP2P
 from lightning_pp.sharding import placed_like
 from lightning_pp.timeline import CATEGORY_OF, COMM_TRANSFER, COMM_WAIT, TimelineEvent
 
-__all__ = ["EventClock", "ForwardFn", "HostClock", "run_stage", "step_clock"]
+__all__ = ["EventClock", "ForwardFn", "HostClock", "StageRun", "run_stage", "step_clock"]
 
 # forward(stage, microbatch, what the previous stage sent or None on the first stage) -> what to send downstream (a
 # tensor or a structure of them), or on the last stage the (already weighted) loss to back-propagate
@@ -88,7 +89,7 @@ _Key = tuple[int, int]  # (stage, micro-batch)
 _Stamp = tuple[Action, str, Any, Any, Any]
 
 
-class _StageRun:
+class StageRun:
     """One rank's state over one step: what each (stage, micro-batch) keeps between its actions, and the stamps."""
 
     def __init__(
@@ -115,6 +116,19 @@ class _StageRun:
         self.input_grads: dict[_Key, list[torch.Tensor]] = {}  # gradients w.r.t. a stage's inputs, to send upstream
         self.weight_work: dict[_Key, WeightGradients] = {}  # what an I left for its W
         self.stamps: list[_Stamp] = []
+        self.around: Callable[[Action], AbstractContextManager[Any]] | None = None
+
+    def go_on(self, carried: StageRun) -> None:
+        """Take over what ``carried`` (the previous step's run) left in flight: a schedule whose steps overlap
+        (:mod:`lightning_pp.cross_batch`) backs up in this step micro-batches the previous step ran forward."""
+        self.inputs, self.outputs = carried.inputs, carried.outputs
+        self.output_grads, self.input_grads, self.weight_work = (carried.output_grads, carried.input_grads,
+                                                                 carried.weight_work)
+
+    @property
+    def in_flight(self) -> bool:
+        """Whether micro-batches are left to back up (only a step cut out of a longer stream leaves some)."""
+        return bool(self.outputs or self.output_grads or self.input_grads or self.weight_work)
 
     @property
     def transfers(self) -> StageP2P:
@@ -136,7 +150,11 @@ class _StageRun:
         handler = _HANDLERS.get(kind)
         if handler is None:
             raise PipelineScheduleError(f"The runtime cannot run action {action} ({kind.name}).")
-        header_arrived = handler(self, action)
+        if self.around is not None and kind in _COMPUTE:
+            with self.around(action):
+                header_arrived = handler(self, action)
+        else:
+            header_arrived = handler(self, action)
         if self.timer is not None:
             self.stamps.append((action, CATEGORY_OF.get(kind, COMM_TRANSFER), start, header_arrived, self.timer.now()))
 
@@ -225,10 +243,11 @@ class _StageRun:
         self.output_grads[(action.stage, action.microbatch)], header_arrived = self.transfers.recv(action)
         return header_arrived
 
-    def wait_sends(self, p2p: StageP2P, last: Action | None) -> None:
-        """Wait for the step's sends to complete, timed as waiting after the ``last`` action."""
+    def wait_sends(self, p2p: StageP2P, last: Action | None, this_step: bool = True) -> None:
+        """Wait for the step's sends to complete (not ``this_step``: only those of earlier steps), timed as waiting
+        after the ``last`` action."""
         start = self.now()
-        p2p.wait_sends()
+        p2p.wait_sends(this_step)
         if self.timer is not None and last is not None:
             self.stamps.append((last, COMM_WAIT, start, None, self.timer.now()))
 
@@ -247,15 +266,15 @@ class _StageRun:
 
 
 # what runs each kind of action; a handler returns when a received header arrived (None for other actions)
-_HANDLERS: dict[ActionType, Callable[[_StageRun, Action], float | None]] = {
-    ActionType.FORWARD: _StageRun.run_forward,
-    ActionType.BACKWARD: _StageRun.run_backward,
-    ActionType.BACKWARD_INPUT: _StageRun.run_backward_input,
-    ActionType.BACKWARD_WEIGHT: _StageRun.run_backward_weight,
-    ActionType.SEND_F: _StageRun.send_forward,
-    ActionType.SEND_B: _StageRun.send_backward,
-    ActionType.RECV_F: _StageRun.recv_forward,
-    ActionType.RECV_B: _StageRun.recv_backward,
+_HANDLERS: dict[ActionType, Callable[[StageRun, Action], float | None]] = {
+    ActionType.FORWARD: StageRun.run_forward,
+    ActionType.BACKWARD: StageRun.run_backward,
+    ActionType.BACKWARD_INPUT: StageRun.run_backward_input,
+    ActionType.BACKWARD_WEIGHT: StageRun.run_backward_weight,
+    ActionType.SEND_F: StageRun.send_forward,
+    ActionType.SEND_B: StageRun.send_backward,
+    ActionType.RECV_F: StageRun.recv_forward,
+    ActionType.RECV_B: StageRun.recv_backward,
 }
 
 
@@ -269,9 +288,16 @@ def run_stage(
     params: Callable[[int], list[torch.nn.Parameter]] | None = None,
     events: list[TimelineEvent] | None = None,
     clock: HostClock | None = None,
-) -> None:
+    stream: bool = False,
+    carried: StageRun | None = None,
+    around: Callable[[Action], AbstractContextManager[Any]] | None = None,
+) -> StageRun:
     """Run ``rank``'s actions of ``schedule`` in order; with ``events`` (a list) and ``clock``, append one timed event
     per action. ``params(stage)`` lists the weights a split backward (I, then W) of ``stage`` accumulates into.
+
+    A step cut out of a longer ``stream`` (:mod:`lightning_pp.cross_batch`) passes the previous step's returned run as
+    ``carried``, and ``around(action)`` wraps each compute action (to pick the weights and gradients it uses). Its
+    sends are waited for only at the end of the next step: the peer may receive them in its next step.
 
     State is kept per (stage, micro-batch), so a rank may hold several stages. Between two stages of one rank nothing
     travels: the later stage's forward takes the earlier one's output (detached, as if received), and its input
@@ -280,12 +306,16 @@ def run_stage(
     """
     actions = schedule.actions[rank]
     timer = clock if events is not None else None
-    run = _StageRun(schedule, rank, forward, p2p, training=training, params=params, timer=timer)
+    run = StageRun(schedule, rank, forward, p2p, training=training, params=params, timer=timer)
+    if carried is not None:
+        run.go_on(carried)
+    run.around = around
     if p2p is not None:
         p2p.start_step(actions)
     for action in actions:
         run.run(action)
     if p2p is not None:
-        run.wait_sends(p2p, actions[-1] if actions else None)
+        run.wait_sends(p2p, actions[-1] if actions else None, this_step=not stream)
     if timer is not None and events is not None:
         run.record_events(timer, events, rank)
+    return run

@@ -397,6 +397,9 @@ GENERATORS: dict[str, Generator] = {
     "zb_h1": _zb_h1,
     "zbv": _zbv,
     "dualpipev": _dualpipev,
+    # one batch's lists (evaluation, the micro-batch count); training runs 1F1B over every batch's micro-batches as one
+    # stream, cut into steps (lightning_pp.cross_batch)
+    "pipedream_2bw": _one_f_one_b,
 }
 
 

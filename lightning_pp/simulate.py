@@ -73,19 +73,22 @@ class Execution:
 
 
 def execute(actions: Sequence[Sequence[Action]], cost: Callable[[Action], float] = unit_cost,
-            delay: Callable[[Action], float] | None = None) -> Execution:
+            delay: Callable[[Action], float] | None = None, in_flight: frozenset[Action] = frozenset()
+            ) -> Execution:
     """Run per-rank action lists with one clock per rank; the one execution loop (simulator and validator).
 
     Each rank runs its list in order; an action starts when the previous one on its rank ended, a receive also not
     before its send ended plus the send's ``delay`` (the message in flight, while the sender goes on; sends never
-    block). A transfer between two stages of one rank is no action: the consumer
+    block); a receive in ``in_flight`` (its send ran in the previous step) finds its message there from the start. A
+    transfer between two stages of one rank is no action: the consumer
     comes later in the same list, so the order already says when its input is there. Stops when every rank finished
     or every unfinished rank waits on a receive whose send will never come (a deadlock: see ``unfinished``).
     """
     num_ranks = len(actions)
     clock = [0.0] * num_ranks
     position = [0] * num_ranks
-    arrival: dict[tuple[int, ActionType, int], float] = {}  # (receiving stage, receive type, mb) -> time
+    # (receiving stage, receive type, mb) -> time
+    arrival: dict[tuple[int, ActionType, int], float] = {(a.stage, a.type, a.microbatch): 0.0 for a in in_flight}
     events: list[TimelineEvent] = []
     progressed = True
     while progressed:
@@ -118,7 +121,7 @@ def execute(actions: Sequence[Sequence[Action]], cost: Callable[[Action], float]
 def simulate(schedule: Schedule, cost: Callable[[Action], float] = unit_cost,
              delay: Callable[[Action], float] | None = None) -> Timeline:
     """Predict the timeline of ``schedule`` (one row per rank); see :func:`execute` for the rules."""
-    run = execute(schedule.actions, cost, delay)
+    run = execute(schedule.actions, cost, delay, schedule.in_flight)
     if not run.finished:  # unreachable for a validated schedule
         raise RuntimeError(f"Schedule {schedule.name!r} deadlocks; run validate_schedule for the grid.")
     return Timeline(schedule.num_ranks, run.events, schedule.stage_to_rank)

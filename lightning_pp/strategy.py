@@ -367,7 +367,14 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     @override
     def on_validation_start(self) -> None:
+        if self._session is not None:
+            self._session.drain()
         self._start_loop("validation_step")
+
+    @override
+    def on_train_end(self) -> None:
+        if self._session is not None:
+            self._session.drain(end_of_fit=True)
 
     @override
     def on_test_start(self) -> None:
@@ -454,6 +461,8 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
+        if self._session is not None:
+            self._session.drain()  # a checkpoint holds one version of the weights
         return self._checkpoints.module_state(self.options.checkpoint_format)
 
     @override

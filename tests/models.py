@@ -714,6 +714,19 @@ class WithExampleInput(MLPClassifier):
         assert self.example_input_array is not None, "example_input_array was not given back when training started"
 
 
+class DelayedGradients(L.Callback):
+    """PipeDream-2BW's update rule on one device, the reference of ``schedule="pipedream_2bw"``: each optimizer step
+    applies the previous batch's gradient (the first step none), computed at the weights that batch's step started
+    from: W_t = W_{t-1} - lr * grad f_{t-1}(W_{t-2})."""
+
+    def __init__(self) -> None:
+        self.previous: dict[int, torch.Tensor | None] = {}
+
+    def on_before_optimizer_step(self, trainer: L.Trainer, pl_module: L.LightningModule, optimizer: Any) -> None:
+        for p in pl_module.parameters():
+            p.grad, self.previous[id(p)] = self.previous.get(id(p)), p.grad
+
+
 class MLPClassifierSGD(MLPClassifier):
     """The MLP with SGD (momentum, weight decay, StepLR): updates proportional to gradients, so fp32 summation-order
     noise stays at noise level in the parameters and they can be compared element-wise after training."""

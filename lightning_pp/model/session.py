@@ -28,6 +28,8 @@ from lightning_pp.model.assembly import (
     set_aside_example_input,
     shard_outside_weights,
 )
+from lightning_pp.cross_batch import stream_cuts
+from lightning_pp.model.delayed import DelayedUpdates, refuse_for_delayed_updates
 from lightning_pp.model.eager import EagerLink
 from lightning_pp.model.results import outputs_read
 from lightning_pp.model.step import StepDriver
@@ -96,6 +98,9 @@ class StageSession:
         self.driver = StepDriver(module, partition.view, p2p, self.recorder, device, schedules, microbatches,
                                  options.microbatch_weight, groups if pipelined else None, position=self.stage,
                                  outside=lambda: partition.shared_tensors(module)[0])
+        if pipelined and fitting and options.schedule == "pipedream_2bw":
+            refuse_for_delayed_updates(module.trainer, options.microbatches or microbatches)
+            self.driver.delayed = DelayedUpdates(stream_cuts(layout.num_stages, microbatches), self.stage)
         self.checkpoints = StageCheckpoints(
             module, partition, self._not_on_last_stage, world=layout.world_size, rank=rank, stage=self.stage,
             lane=layout.lane_of(rank), num_stages=layout.num_stages, rank_of=layout.rank,
@@ -158,9 +163,13 @@ class StageSession:
         self.driver.pending_grads = []
         if not optimizer_step:
             return
+        if self.driver.delayed is not None:  # before the optimizer step replaces the weights in place
+            self.driver.delayed.keep_weights()
         assembly = self.assembly
         if assembly.placing is not None and assembly.placing.observation is not None:
-            with collective("agreeing on which ranks use the weights outside the blocks"):
+            delayed = self.driver.delayed  # pipedream_2bw hands over the previous batch's: show the observed one's
+            with collective("agreeing on which ranks use the weights outside the blocks"), (
+                    delayed.showing_latest_grads() if delayed is not None else nullcontext()):
                 place_outside_weights(assembly, optimizers, self.device, self.new_group)
         timed = self.telemetry.timing_sink is not None and self.layout.world_size > 1
         if assembly.sharding is not None:
@@ -175,6 +184,13 @@ class StageSession:
         self.telemetry.last_grad_sync_bytes = assembly.grads.last_bytes
         if timed:  # for PipelineMonitor
             self.telemetry.last_grad_sync_ms = sync_ms
+
+    def drain(self, end_of_fit: bool = False) -> None:
+        """``pipedream_2bw``: back up what the stream left in flight, so the weights are one version (before
+        validation and a checkpoint; at the end of fit, where the last batch's gradient is then dropped)."""
+        self.driver.drain()
+        if end_of_fit and self.driver.delayed is not None:
+            self.driver.delayed.drop()
 
     def end_loop(self) -> None:
         """At the end of a loop: blocks sharded over the replicas give up the weights their passes gathered."""

@@ -10,6 +10,7 @@ outputs, so every logged value and every returned prediction is what one device 
 
 from __future__ import annotations
 
+import functools
 import hashlib
 import math
 from collections.abc import Callable, Iterator, Mapping
@@ -27,6 +28,7 @@ from lightning_pp._remote import refuse_reached, refuse_remote
 from lightning_pp.actions import Schedule
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.microbatch import batch_size, merge_microbatches, split_batch
+from lightning_pp.model.delayed import DelayedUpdates
 from lightning_pp.model.results import ResultExchange
 from lightning_pp.model.sides import Sides, joined_sides, with_sides
 from lightning_pp.model.stage import SeveralPasses, StageOutput, StageView
@@ -40,6 +42,10 @@ __all__ = ["StepDriver", "StepRandomness"]
 # what an evaluation forward on the last stage hands the runtime (nothing to send)
 _NOTHING = torch.empty(0, device="cpu")
 _AGAIN = object()  # the last stage's evaluation result when the step passed through the blocks several times
+
+
+def _no_forward(stage: int, mb: int, received: Any) -> Any:
+    raise AssertionError(f"a drain runs backwards only, not the forward of stage {stage}, micro-batch {mb}")
 
 
 class StepRandomness:
@@ -110,6 +116,7 @@ class StepDriver:
         self.pending_grads: list[tuple[torch.nn.Parameter, Tensor]] = []
         self._warned_small_batch = False
         self._exchange = ResultExchange(groups, device) if groups is not None else None
+        self.delayed: DelayedUpdates | None = None  # schedule="pipedream_2bw": the stream between steps
         self._send_outputs: dict[str, bool] = {}  # per step name: whether the outputs go to every stage
         # the evaluation steps that passed through the blocks several times: from then on they run eagerly
         self._several_passes: set[str] = set()
@@ -175,15 +182,23 @@ class StepDriver:
             self.last_schedule = step.schedule
         self.steps_run += 1
         self.randomness.begin_step(self.steps_run)
+        clock = step_clock(self.device) if events is not None else None
+        handed: list[tuple[torch.nn.Parameter, Tensor]] | None = None
         try:
-            run_stage(step.schedule, self.position, step.forward, self.p2p, training=step.training,
-                      params=self._parameters_of, events=events,
-                      clock=step_clock(self.device) if events is not None else None)
+            if step.training and self.delayed is not None:  # a cut of the never-draining stream (pipedream_2bw)
+                count = step.schedule.num_microbatches
+                handed = self.delayed.run_step(params, functools.partial(
+                    run_stage, rank=self.position, forward=lambda stage, mb, got: step.forward(stage, mb % count, got),
+                    p2p=self.p2p, training=True, params=self._parameters_of, events=events, clock=clock))
+                self.last_schedule = self.delayed.last_schedule
+            else:
+                run_stage(step.schedule, self.position, step.forward, self.p2p, training=step.training,
+                          params=self._parameters_of, events=events, clock=clock)
         finally:
             self.view.on_blocks_start = None
         if step.training:
             self.trained = True
-            self.pending_grads = [(p, p.grad) for p in params if p.grad is not None]
+            self.pending_grads = handed if handed is not None else [(p, p.grad) for p in params if p.grad is not None]
             for p, grad in zip(params, previous, strict=True):
                 p.grad = grad
 
@@ -201,6 +216,13 @@ class StepDriver:
         if again:
             return _AGAIN, None, []
         return (sent_loss, sent, records) if step.training else (sent, None, records)
+
+    def drain(self) -> None:
+        """pipedream_2bw: back up what the latest training step left in flight (every rank at once)."""
+        if self.delayed is not None and self.delayed.open:
+            self.delayed.drain([p for p in self.module.parameters() if p.requires_grad], functools.partial(
+                run_stage, rank=self.position, forward=_no_forward, p2p=self.p2p, training=True,
+                params=self._parameters_of))
 
     def _parameters_of(self, stage: int) -> list[torch.nn.Parameter]:
         """The weights a pass through ``stage`` can reach: its blocks' and those outside the blocks."""

@@ -1,0 +1,160 @@
+"""``schedule="pipedream_2bw"`` on one rank: each training step runs its cut of the never-draining stream
+(:mod:`lightning_pp.cross_batch`), keeps the weights its micro-batches still in flight will back up through, and hands
+Lightning the previous batch's gradient.
+
+Two versions of a stage's weights: the live parameters (``W_{t-1}`` during batch ``t``'s step), and, from the
+optimizer step that ends batch ``t``'s step until its last backward has run (in the next step or a drain), a copy of
+``W_{t-1}`` taken just before that optimizer step updated the parameters in place. The forwards of a stage with
+backwards left over save, instead of its parameters (or views of them), a reference that the backward reads from the
+live parameters while they still hold that batch's version and from the copy afterwards (saved-tensor hooks: autograd
+saves the parameter itself, so an in-place update would otherwise reach the saved value, or be refused).
+
+Gradients: each batch's accumulate apart from the next one's (the leftover backwards of batch ``t - 1`` into its own
+buffer), and the strategy's backward hands Lightning batch ``t - 1``'s, complete by the end of step ``t`` on every
+stage, so the optimizer step that ends step ``t`` applies it (the first step applies none).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_pp.actions import Action, ActionType, Schedule
+from lightning_pp.cross_batch import StreamCuts
+from lightning_pp.errors import PipelineConfigError
+from lightning_pp.runtime import StageRun
+
+__all__ = ["DelayedUpdates", "refuse_for_delayed_updates"]
+
+_Grads = dict[torch.nn.Parameter, Tensor | None]
+
+
+class _Version:
+    """The weights one batch's passes use: the live parameters until :meth:`keep` copies them (before the optimizer
+    step that replaces them while that batch's backwards are still to come)."""
+
+    def __init__(self, params: list[torch.nn.Parameter]) -> None:
+        self.params = params
+        self.index = {p.untyped_storage().data_ptr(): i for i, p in enumerate(params)}
+        self.kept: list[Tensor] | None = None
+
+    def keep(self) -> None:
+        self.kept = [p.detach().clone() for p in self.params]
+
+    def pack(self, tensor: Tensor) -> Any:
+        """What a forward saves: for a parameter or a view of one, where to find it later."""
+        try:
+            index = self.index.get(tensor.untyped_storage().data_ptr())
+        except (RuntimeError, NotImplementedError):  # no storage of its own (a subclass, a nested tensor)
+            return tensor
+        if index is None:
+            return tensor
+        return self, index, tensor.size(), tensor.stride(), tensor.storage_offset()
+
+    @staticmethod
+    def unpack(saved: Any) -> Tensor:
+        if not (isinstance(saved, tuple) and saved and isinstance(saved[0], _Version)):
+            return saved  # type: ignore[no-any-return]
+        version, index, size, stride, offset = saved
+        source = version.kept[index] if version.kept is not None else version.params[index].detach()
+        return source.as_strided(size, stride, offset)
+
+
+class DelayedUpdates:
+    """PipeDream-2BW's state on one rank between steps: what the stream left in flight, the version of the weights
+    its backwards need, and the gradient buffers of the batches in flight (see the module's docstring)."""
+
+    def __init__(self, cuts: StreamCuts, position: int) -> None:
+        self.cuts, self.position = cuts, position
+        self.has_leftovers = cuts.leftovers(position) > 0
+        self.batch = -1  # the batch of the latest step
+        self.open = False  # whether the latest batch still has backwards in flight somewhere (no drain since)
+        self.carried: StageRun | None = None
+        self.previous: _Grads = {}  # the previous batch's gradients (its leftovers accumulate into them)
+        self.version: _Version | None = None  # the weights the in-flight batch's forwards used
+        self.last_schedule: Schedule | None = None
+
+    def run_step(self, params: list[torch.nn.Parameter], run: Callable[..., StageRun]
+                 ) -> list[tuple[torch.nn.Parameter, Tensor]]:
+        """One training step, its gradients accumulating from ``None`` in the ``params`` (this rank's trainable
+        weights): ``run(schedule, stream=, carried=, around=)`` runs this rank's cut. Returns the gradients to hand
+        Lightning: the previous batch's."""
+        self.batch += 1
+        schedule = self.last_schedule = self.cuts.for_step("steady" if self.open else "first", self.batch)
+        version = _Version(params) if self.has_leftovers else None
+        m = self.cuts.num_microbatches
+        current = range((self.batch % 2) * m, (self.batch % 2) * m + m)
+
+        def around(action: Action) -> AbstractContextManager[Any]:
+            if action.microbatch not in current:
+                return self._into_previous(params)
+            if version is not None and action.type is ActionType.FORWARD:
+                return torch.autograd.graph.saved_tensors_hooks(version.pack, _Version.unpack)
+            return nullcontext()
+
+        self.carried = run(schedule, stream=True, carried=self.carried, around=around)
+        handed = [(p, g) for p, g in self.previous.items() if g is not None]
+        self.previous, self.version, self.open = {p: p.grad for p in params}, version, True
+        return handed
+
+    def keep_weights(self) -> None:
+        """Before the optimizer step: copy the weights the in-flight batch's leftover backwards will need."""
+        if self.open and self.version is not None:
+            self.version.keep()
+
+    def drain(self, params: list[torch.nn.Parameter], run: Callable[..., StageRun]) -> None:
+        """Back up the latest batch's leftovers (every rank calls this at once: before validation, a checkpoint,
+        the end of fit). Its gradient stays for the next step to hand over."""
+        if not self.open:
+            return
+        run(self.cuts.for_step("drain", self.batch), stream=False, carried=self.carried,
+            around=lambda action: self._into_previous(params))
+        self.carried, self.version, self.open = None, None, False
+
+    @contextmanager
+    def showing_latest_grads(self) -> Iterator[None]:
+        """The latest batch's gradients (so far) in the weights' ``.grad`` where they have none: which weights the
+        step used, for the placement of the weights outside the blocks after the first step."""
+        shown = [p for p, g in self.previous.items() if p.grad is None and g is not None]
+        for p in shown:
+            p.grad = self.previous[p]
+        try:
+            yield
+        finally:
+            for p in shown:
+                p.grad = None
+
+    def drop(self) -> None:
+        """Forget the gradient not yet handed over (the end of fit: no optimizer step follows)."""
+        self.previous = {}
+
+    @contextmanager
+    def _into_previous(self, params: list[torch.nn.Parameter]) -> Iterator[None]:
+        """Run a leftover backward of the previous batch into that batch's gradients."""
+        current = {p: p.grad for p in params}
+        for p in params:
+            p.grad = self.previous.get(p)
+        try:
+            yield
+        finally:
+            for p in params:
+                self.previous[p], p.grad = p.grad, current[p]
+
+
+def refuse_for_delayed_updates(trainer: Any, microbatches: int) -> None:
+    """What ``pipedream_2bw`` cannot run, refused alike on every rank: accumulated batches (its optimizer step applies
+    one batch's gradient, one step late) and a loss scaler (fp16: skipping a step would leave two versions apart)."""
+    if trainer.accumulate_grad_batches != 1:
+        raise PipelineConfigError(
+            f"schedule='pipedream_2bw' with accumulate_grad_batches={trainer.accumulate_grad_batches}: each optimizer "
+            f"step applies one batch's gradient (the previous batch's). Use a larger batch (or more micro-batches, "
+            f"now {microbatches}) instead, or a synchronous schedule (schedule='1f1b').")
+    if str(trainer.precision) in ("16-mixed", "16"):
+        raise PipelineConfigError(
+            f"schedule='pipedream_2bw' with precision={trainer.precision!r}: a loss scaler skips optimizer steps, "
+            f"which the delayed update does not follow. Use precision='bf16-mixed' or '32-true', or a synchronous "
+            f"schedule (schedule='1f1b').")
