@@ -19,6 +19,7 @@ from lightning_pp import _compat
 from lightning_pp._logs import HookLogs, LogRecorder
 from lightning_pp.actions import Schedule
 from lightning_pp.checkpoint import StageCheckpoints
+from lightning_pp.cross_batch import stream_cuts
 from lightning_pp.grads import add_to_grads
 from lightning_pp.model.assembly import (
     StageAssembly,
@@ -28,7 +29,6 @@ from lightning_pp.model.assembly import (
     set_aside_example_input,
     shard_outside_weights,
 )
-from lightning_pp.cross_batch import stream_cuts
 from lightning_pp.model.delayed import DelayedUpdates, refuse_for_delayed_updates
 from lightning_pp.model.eager import EagerLink
 from lightning_pp.model.results import outputs_read
