@@ -134,8 +134,8 @@ def main() -> None:
     parser.add_argument("--max-steps", type=int, default=150)
     parser.add_argument("--schedule", default="1f1b",
                         help="naive, gpipe, 1f1b (default), interleaved_1f1b (2 stages per rank), zb_h1, zbv, "
-                             "dualpipev, auto (chosen from measured costs; --microbatches still fixes the count), or "
-                             "the path of a .csv schedule")
+                             "dualpipev, pipedream_2bw (asynchronous: one step's delay), auto (chosen from measured "
+                             "costs; --microbatches still fixes the count), or the path of a .csv schedule")
     parser.add_argument("--microbatches", type=int, default=4)
     parser.add_argument("--devices", type=int, default=2, help="processes per node (default 2)")
     parser.add_argument("--num-nodes", type=int, default=1, help="machines (torchrun or SLURM starts the processes)")

@@ -1,0 +1,160 @@
+"""``schedule="pipedream_2bw"``: PipeDream-2BW's asynchronous 1F1B (never draining between batches, two weight versions,
+each optimizer step applying the previous batch's gradient).
+
+Single-process: the cuts of the stream (:mod:`lightning_pp.cross_batch`) compose into validated schedules, what each
+step runs and which weights each pass reads follow the rule, the bubble, and the refused options. Multi-process (gloo):
+training equals one device running the rule (``models.DelayedGradients``: W_t = W_{t-1} - lr grad f_{t-1}(W_{t-2})),
+with validation and checkpoints draining the pipeline, on 2 and 4 ranks; a failure mid-batch ends every rank.
+"""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import models
+import pytest
+import torch
+from _launch import launch
+from support import assemble, assert_matches, check_lifecycle
+
+from lightning_pp import PipelineConfigError, PipelineParallelStrategy
+from lightning_pp.actions import Action, ActionType
+from lightning_pp.cross_batch import stream_cuts, stream_schedule
+from lightning_pp.options import PipelineOptions
+from lightning_pp.schedules import validate_schedule
+from lightning_pp.simulate import simulate
+
+SHAPES = [(2, 2), (2, 4), (3, 3), (4, 4), (4, 7)]
+F_B = {ActionType.FORWARD: 1.0, ActionType.BACKWARD: 2.0}  # F = I = W: B = 2 F
+
+
+def _steps(p: int, m: int, steady: int) -> list[tuple[str, int]]:
+    """The cuts a run takes: a first step, ``steady`` steady ones, then a drain (cut, batch)."""
+    return [("first", 0)] + [("steady", t) for t in range(1, steady + 1)] + [("drain", steady)]
+
+
+@pytest.mark.parametrize(("p", "m"), SHAPES)
+def test_cuts_compose_into_the_validated_stream(p: int, m: int) -> None:
+    """first + steady... + drain, rank by rank, is a valid schedule (every transfer matched, in order, no deadlock
+    across the steps' boundaries); stage s leaves its last p - s - 1 backwards to the next step."""
+    cuts = stream_cuts(p, m)
+    for steady in (0, 1, 2):
+        lists = [[] for _ in range(p)]  # type: list[list[Action]]
+        for cut, batch in _steps(p, m, steady):
+            own = range((batch % 2) * m, (batch % 2) * m + m)  # the step's batch; the other half: the batch before
+            for rank, actions in enumerate(cuts.for_step(cut, batch).actions):
+                # numbered apart per batch across the run, as the runtime keeps the two batches in flight apart
+                lists[rank] += [Action(a.stage, a.type, a.microbatch % m + m * (batch - (a.microbatch not in own)))
+                                for a in actions]
+        validate_schedule(lists, m * (steady + 1))
+    assert [cuts.leftovers(rank) for rank in range(p)] == [p - s - 1 for s in range(p)]
+
+
+@pytest.mark.parametrize(("p", "m"), SHAPES)
+def test_each_pass_reads_its_batchs_version(p: int, m: int) -> None:
+    """Batch t's forwards all run in step t, its backwards in step t or (leftovers) step t + 1, never later: so its
+    passes read W_{t-1}, live during step t and kept (copied before step t's optimizer step) during step t + 1. Two
+    versions suffice; the last stage keeps none."""
+    cuts = stream_cuts(p, m)
+    for cut, batch in _steps(p, m, 3):
+        schedule = cuts.for_step(cut, batch)
+        for rank, actions in enumerate(schedule.actions):
+            for action in (a for a in actions if a.is_compute):
+                own = (batch % 2) * m <= action.microbatch < (batch % 2) * m + m
+                if cut == "drain" or not own:  # a leftover: the previous batch's backward, on the kept version
+                    assert action.type is ActionType.BACKWARD and rank < p - 1, (cut, batch, action)
+                else:
+                    assert cut != "drain", action
+    steady = cuts.for_step("steady", 1)
+    assert all(a.microbatch in range(m, 2 * m) or a.type is ActionType.BACKWARD
+               for rank in steady.actions for a in rank if a.is_compute)
+
+
+def test_the_stream_has_no_fill_or_drain_between_batches() -> None:
+    """2 stages x 4 micro-batches, F = I = W (B = 2 F): 1F1B's bubble is 0.2; the stream of 10 batches 0.024 (its
+    one fill and drain spread over them). A step cut out of it (the steady cut, the ranks meeting at its ends) takes
+    13 units against 1F1B's 15."""
+    one = simulate(stream_schedule(2, 4, 1), lambda a: F_B.get(a.type, 0.0))
+    stream = simulate(stream_schedule(2, 4, 10), lambda a: F_B.get(a.type, 0.0))
+    steady = simulate(stream_cuts(2, 4).for_step("steady", 1), lambda a: F_B.get(a.type, 0.0))
+    assert one.bubble_fraction() == pytest.approx(0.2) and one.makespan == 15
+    assert stream.bubble_fraction() == pytest.approx(1 / 41) and stream.makespan == 123
+    assert steady.makespan == 13  # its first receive of a gradient sent in the previous step finds it there
+
+
+@pytest.mark.parametrize(("options", "match"), [
+    ({"tensor_parallel_size": 2}, "with tensor_parallel_size > 1"),
+    ({"data_parallel": "fsdp"}, "with data_parallel='fsdp'"),
+    ({"activation_checkpointing": True}, "with activation_checkpointing"),
+])
+def test_options_it_cannot_run_are_refused(options: dict[str, object], match: str) -> None:
+    with pytest.raises(PipelineConfigError, match=re.escape(match)):
+        PipelineParallelStrategy(schedule="pipedream_2bw", **options)  # type: ignore[arg-type]
+
+
+def test_fewer_microbatches_than_ranks_is_refused_before_any_collective() -> None:
+    options = PipelineOptions(schedule="pipedream_2bw", microbatches=3)
+    with pytest.raises(PipelineConfigError, match=r"microbatches=3, 4 ranks.*Pass microbatches=4 or more"):
+        options.check_world(4, 4, 1)
+    options.check_world(3, 3, 1)
+
+
+# ------------------------------------------------------------------------------------------------ multi-process
+
+
+def _rule(model: str, **trainer: object) -> dict[str, object]:
+    """One device applying each batch's gradient one step late (the reference)."""
+    module, logger = models.fit(model, callbacks=[models.DelayedGradients()], **trainer)  # type: ignore[arg-type]
+    return {"state": {k: v.detach().clone() for k, v in module.state_dict().items()}, "history": logger.history}
+
+
+def _train(model: str, m: int, **kwargs: object) -> dict[str, object]:
+    return {"scenario": "train", "kwargs": {"model": model, "schedule": "pipedream_2bw", "microbatches": m, **kwargs}}
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_trains_as_one_device_applying_the_previous_batchs_gradient(tmp_path: Path) -> None:
+    """2 ranks: the MLP over 2 epochs (the stream crosses the epoch's end), the tied model (a weight on the first and
+    the last stage), and a full checkpoint (drained) that plain Lightning loads; 4 ranks: the MLP. SGD with momentum,
+    weight decay and a step LR schedule: weights and every logged loss as the rule gives them."""
+    saved = str(tmp_path / "2bw.ckpt")
+    runs2 = [_train("mlp_sgd", 4, max_steps=6, save_to=saved), _train("tied_sgd", 2, max_steps=5)]
+    runs4 = [_train("mlp_sgd", 4, max_steps=6)]
+    ranks2, ranks4 = launch(2, runs2, timeout=200), launch(4, runs4, timeout=200)
+    for ranks, index, run in ((ranks2, 0, runs2[0]), (ranks2, 1, runs2[1]), (ranks4, 0, runs4[0])):
+        kwargs = run["kwargs"]
+        expected = _rule(kwargs["model"], max_steps=kwargs["max_steps"])
+        full, history = assemble(ranks, index)
+        assert_matches(full, history, expected, f"pipedream_2bw {len(ranks)} ranks {kwargs}")
+    loaded = models.MLPClassifierSGD.load_from_checkpoint(saved, weights_only=True)
+    for name, value in loaded.state_dict().items():
+        assert torch.equal(value, assemble(ranks2, 0)[0][name]), name
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_validation_test_predict_and_metrics_follow_the_rule() -> None:
+    """fit with validation every epoch (the pipeline drains before it), then validate, test and predict, on 2 ranks:
+    every logged value, metric and prediction as one device applying the rule gives them."""
+    check_lifecycle(2, [("pipedream_2bw", 2)], expected=models.lifecycle(num_sanity_val_steps=2,
+                                                                         callbacks=[models.DelayedGradients()]))
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_what_it_cannot_run_fails_alike_and_a_failure_mid_batch_ends_every_rank() -> None:
+    """Accumulated batches are refused on every rank; then a user error on rank 0 at step 1, with step 0's backwards
+    still in flight on the other stages, ends all 4 ranks with an error naming it."""
+    runs = [{"scenario": "expect_error", "kwargs": {"model": "mlp_sgd", "schedule": "pipedream_2bw", "microbatches": 4,
+                                                    "trainer": {"accumulate_grad_batches": 2}}},
+            _train("fails_on_rank_zero", 4, timeout=5)]
+    ranks = launch(4, runs, timeout=120)
+    for rank in ranks:
+        refused = rank.results[0]
+        assert refused["type"] == "PipelineConfigError" and "accumulate_grad_batches=2" in refused["message"], refused
+        assert 1 in rank.errors, rank.output[-2000:]
+    assert "a bug in the user's training_step" in ranks[0].errors[1]["message"]
+    for rank in ranks[1:]:
+        assert "rank 0" in rank.errors[1]["message"] or "Pipeline" in rank.errors[1]["type"], rank.errors[1]
