@@ -178,6 +178,16 @@ def summary_depth(callback: Any) -> int:
     return int(callback._max_depth)
 
 
+def replace_sigterm_broadcast(trainer: Any, agree: Callable[[], None]) -> Callable[[], None]:
+    """Have the training loop call ``agree()`` where it broadcasts, at every step's start, whether rank 0 received
+    SIGTERM (a barrier of every rank); returns what undoes it. A no-op where the loop has no such method."""
+    loop = trainer.fit_loop.epoch_loop
+    if not hasattr(type(loop), "_broadcast_sigterm_tensor"):
+        return lambda: None
+    loop._broadcast_sigterm_tensor = agree
+    return lambda: loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+
+
 def replace_summary(callback: Any, summary: Callable[[Any, Any], Any]) -> Callable[[], None]:
     """Make a Lightning ``ModelSummary`` callback build its summary with ``summary(callback, module)``; returns the
     undo."""

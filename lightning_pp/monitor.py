@@ -98,7 +98,8 @@ class PipelineMonitor(pl.Callback):
       it.
     - ``pipeline/stage{s}/param_memory_mb``: MiB of the parameters stage ``s`` holds when the step is logged: its
       blocks' and, on the rank's lowest-numbered stage, the weights outside the blocks that the rank holds (a tied
-      weight counts once).
+      weight counts once); with ``schedule="pipedream_2bw"`` also the older version of the weights the stage keeps
+      for its backwards left over to the next step.
 
     Every ``timeline_every_n_steps`` steps it also logs the image ``pipeline/timeline`` (measured and predicted
     timelines, stages x time; when the logger can take images) and, with ``trace_dir``, writes a Chrome-trace file
@@ -211,6 +212,7 @@ class PipelineMonitor(pl.Callback):
         """Per stage of this rank: (peak bytes of the step, parameter bytes held now)."""
         view = _stage_view(telemetry)
         params = stage_parameter_bytes(module, {stage: view.blocks_of(stage) for stage in view.stages})
+        params[min(view.stages)] += telemetry.kept_weight_bytes  # pipedream_2bw: the older version too
         if isinstance(meter, SavedTensorMeter):
             return {stage: (meter.stage_peaks.get(stage, 0), params[stage]) for stage in view.stages}
         peak = meter.peak if meter is not None else 0  # the allocator's peak is the rank's: every stage reports it

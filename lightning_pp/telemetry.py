@@ -43,3 +43,4 @@ class PipelineTelemetry:
     last_grad_sync_bytes: int = 0  # gradient bytes all-reduced at the latest optimizer step (set after each one)
     last_grad_sync_ms: float | None = None  # the gradient sync of the latest timed step (set after each timed step)
     auto_choice: Any = None  # schedule="auto"'s choice and prediction (a lightning_pp.tuning.Candidate), or None
+    kept_weight_bytes: int = 0  # pipedream_2bw: the older version of the weights kept now (set at each optimizer step)

@@ -117,17 +117,22 @@ def _train(model: str, m: int, **kwargs: object) -> dict[str, object]:
 @pytest.mark.timeout(400)
 def test_trains_as_one_device_applying_the_previous_batchs_gradient(tmp_path: Path) -> None:
     """2 ranks: the MLP over 2 epochs (the stream crosses the epoch's end), the tied model (a weight on the first and
-    the last stage), and a full checkpoint (drained) that plain Lightning loads; 4 ranks: the MLP. SGD with momentum,
-    weight decay and a step LR schedule: weights and every logged loss as the rule gives them."""
+    the last stage), and a full checkpoint (drained) that plain Lightning loads; 4 ranks: the MLP, and 2 replicas of
+    2 stages. SGD with momentum, weight decay and a step LR schedule: weights and every logged loss as the rule gives
+    them."""
     saved = str(tmp_path / "2bw.ckpt")
     runs2 = [_train("mlp_sgd", 4, max_steps=6, save_to=saved), _train("tied_sgd", 2, max_steps=5)]
-    runs4 = [_train("mlp_sgd", 4, max_steps=6)]
+    # 4 ranks: one pipeline of 4; two replicas of a 2-stage pipeline (each averages its handed gradient with the
+    # other's, as every schedule does: the replicas stay equal)
+    runs4 = [_train("mlp_sgd", 4, max_steps=6), _train("mlp_sgd", 4, max_steps=4, pipeline_parallel_size=2)]
     ranks2, ranks4 = launch(2, runs2, timeout=200), launch(4, runs4, timeout=200)
     for ranks, index, run in ((ranks2, 0, runs2[0]), (ranks2, 1, runs2[1]), (ranks4, 0, runs4[0])):
         kwargs = run["kwargs"]
         expected = _rule(kwargs["model"], max_steps=kwargs["max_steps"])
         full, history = assemble(ranks, index)
         assert_matches(full, history, expected, f"pipedream_2bw {len(ranks)} ranks {kwargs}")
+    full, history = assemble(ranks4, 1)  # every weight equal on the ranks holding it (both replicas)
+    assert len(history) == 4 and all(torch.isfinite(value).all() for value in full.values())
     loaded = models.MLPClassifierSGD.load_from_checkpoint(saved, weights_only=True)
     for name, value in loaded.state_dict().items():
         assert torch.equal(value, assemble(ranks2, 0)[0][name]), name

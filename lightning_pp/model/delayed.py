@@ -21,6 +21,8 @@ from contextlib import AbstractContextManager, contextmanager, nullcontext
 from typing import Any
 
 import torch
+import torch.distributed as dist
+from lightning.pytorch.utilities.exceptions import SIGTERMException
 from torch import Tensor
 
 from lightning_pp.actions import Action, ActionType, Schedule
@@ -28,7 +30,7 @@ from lightning_pp.cross_batch import StreamCuts
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.runtime import StageRun
 
-__all__ = ["DelayedUpdates", "refuse_for_delayed_updates"]
+__all__ = ["DelayedUpdates", "SigtermAtNextStep", "refuse_for_delayed_updates"]
 
 _Grads = dict[torch.nn.Parameter, Tensor | None]
 
@@ -78,20 +80,23 @@ class DelayedUpdates:
         self.version: _Version | None = None  # the weights the in-flight batch's forwards used
         self.last_schedule: Schedule | None = None
 
-    def run_step(self, params: list[torch.nn.Parameter], run: Callable[..., StageRun]
-                 ) -> list[tuple[torch.nn.Parameter, Tensor]]:
+    def run_step(self, params: list[torch.nn.Parameter], run: Callable[..., StageRun],
+                 after_forwards: Callable[[], None] | None = None) -> list[tuple[torch.nn.Parameter, Tensor]]:
         """One training step, its gradients accumulating from ``None`` in the ``params`` (this rank's trainable
-        weights): ``run(schedule, stream=, carried=, around=)`` runs this rank's cut. Returns the gradients to hand
-        Lightning: the previous batch's."""
+        weights): ``run(schedule, stream=, carried=, around=)`` runs this rank's cut, calling ``after_forwards``
+        once its last forward has run. Returns the gradients to hand Lightning: the previous batch's."""
         self.batch += 1
         schedule = self.last_schedule = self.cuts.for_step("steady" if self.open else "first", self.batch)
         version = _Version(params) if self.has_leftovers else None
         m = self.cuts.num_microbatches
         current = range((self.batch % 2) * m, (self.batch % 2) * m + m)
+        last_forward = [a for a in schedule.actions[self.position] if a.type is ActionType.FORWARD][-1]
 
         def around(action: Action) -> AbstractContextManager[Any]:
             if action.microbatch not in current:
                 return self._into_previous(params)
+            if action == last_forward and after_forwards is not None:
+                return _then(after_forwards)
             if version is not None and action.type is ActionType.FORWARD:
                 return torch.autograd.graph.saved_tensors_hooks(version.pack, _Version.unpack)
             return nullcontext()
@@ -101,10 +106,13 @@ class DelayedUpdates:
         self.previous, self.version, self.open = {p: p.grad for p in params}, version, True
         return handed
 
-    def keep_weights(self) -> None:
-        """Before the optimizer step: copy the weights the in-flight batch's leftover backwards will need."""
-        if self.open and self.version is not None:
-            self.version.keep()
+    def keep_weights(self) -> int:
+        """Before the optimizer step: copy the weights the in-flight batch's leftover backwards will need; returns
+        the copy's bytes."""
+        if not (self.open and self.version is not None):
+            return 0
+        self.version.keep()
+        return sum(t.numel() * t.element_size() for t in self.version.kept or [])
 
     def drain(self, params: list[torch.nn.Parameter], run: Callable[..., StageRun]) -> None:
         """Back up the latest batch's leftovers (every rank calls this at once: before validation, a checkpoint,
@@ -143,6 +151,65 @@ class DelayedUpdates:
         finally:
             for p in params:
                 self.previous[p], p.grad = p.grad, current[p]
+
+
+class SigtermAtNextStep:
+    """Lightning's per-step agreement on a SIGTERM without its barrier. Lightning broadcasts, at every training step's
+    start, whether global rank 0 received SIGTERM, so that every rank stops at the same step; a gloo broadcast waits
+    for every rank, so the last stage, which ends a ``pipedream_2bw`` step last, would hold back the first stage's next
+    forward. Here rank 0 sends its word point to point, and every rank acts on the word of the step before: all stop
+    at the same step, one step after the signal. ``group``: a gloo group of every rank."""
+
+    _TAG = 11
+
+    def __init__(self, trainer: Any, group: Any) -> None:
+        self.trainer, self.group = trainer, group
+        self.rank, self.world = dist.get_rank(), dist.get_world_size()
+        self._word = torch.zeros(1, dtype=torch.int64)  # rank 0: the word sent last; others: the one awaited
+        self._works: list[dist.Work] = []
+        self._previous = False  # rank 0: its word at the previous step
+
+    def __call__(self) -> None:
+        stop = self._previous if self.rank == 0 else self._await()
+        self._wait_sent()
+        if self.rank == 0:
+            self._previous = bool(getattr(self.trainer, "received_sigterm", False))
+            self._word = torch.tensor([int(self._previous)], dtype=torch.int64)
+            self._works = [work for peer in range(1, self.world)
+                           if (work := dist.isend(self._word, peer, group=self.group, tag=self._TAG)) is not None]
+        else:
+            self._word = torch.zeros(1, dtype=torch.int64)
+            work = dist.irecv(self._word, 0, group=self.group, tag=self._TAG)
+            self._works = [work] if work is not None else []
+        if stop:
+            raise SIGTERMException
+
+    def _await(self) -> bool:
+        """The word of the step before (False at the first step)."""
+        if not self._works:
+            return False
+        self._works.pop().wait()
+        return bool(self._word.item())
+
+    def _wait_sent(self) -> None:
+        """Rank 0: the previous step's words have left (every rank posted its receive at that step's start)."""
+        for work in self._works:
+            work.wait()
+        self._works = []
+
+    def finish(self) -> None:
+        """At the end of training: complete the last step's word (every rank is past that step's start)."""
+        if self.rank == 0:
+            self._wait_sent()
+        else:
+            self._await()
+
+
+@contextmanager
+def _then(call: Callable[[], None]) -> Iterator[None]:
+    """Call ``call`` once the block ran without an error."""
+    yield
+    call()
 
 
 def refuse_for_delayed_updates(trainer: Any, microbatches: int) -> None:

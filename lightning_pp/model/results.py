@@ -20,6 +20,7 @@ stage that gets none returns ``None`` (training: the loss alone), which those ho
 from __future__ import annotations
 
 import math
+from dataclasses import dataclass
 from typing import Any
 
 import lightning.pytorch as pl
@@ -125,6 +126,19 @@ def _same(structure: _Flat, previous: _Flat) -> bool:
     )
 
 
+@dataclass
+class _Outgoing:
+    """What the source sends of one step (see :meth:`ResultExchange.post`)."""
+
+    loss: float
+    layout: list[RecordLayout]
+    numbers: list[float]
+    flags: int
+    structure: _Flat | None
+    tensors: list[Tensor]
+    message: Tensor
+
+
 class ResultExchange:
     """Sends what a step's last stage produced to the pipeline's other stages (see the module's docstring)."""
 
@@ -172,32 +186,43 @@ class ResultExchange:
         work.wait()
         return message
 
-    def share(self, loss: float | None, records: list[LogRecord], outputs: Any, send_outputs: bool,
-              again: bool = False) -> tuple[float, list[LogRecord], Any, bool]:
-        """On the source, send ``loss`` (``None``: no loss), ``records`` and, if ``send_outputs``, ``outputs``, or
-        (``again``) that the step must run again, eagerly; elsewhere the arguments are ignored (but ``send_outputs``
-        must be the same on every stage). Returns what the source sent, on every stage: the outputs are ``None``
-        where they were not sent."""
-        layout, numbers = split_records(records) if self.is_source else (self._layout, [])
+    def post(self, loss: float | None, records: list[LogRecord], outputs: Any, send_outputs: bool,
+             again: bool = False) -> _Outgoing:
+        """On the source: what :meth:`share` sends, its fixed-size message already on its way where it travels
+        point to point (gloo); the rest follows in :meth:`share`. A step that knows its results before its schedule
+        ends (``pipedream_2bw``'s last stage, after its last forward) posts them then."""
+        layout, numbers = split_records(records)
         structure: _Flat | None = None
         tensors: list[Tensor] = []
+        flags = (_LAYOUT if layout != self._layout else 0) | (_AGAIN if again else 0)
+        if send_outputs and outputs is not None:
+            structure, tensors = _structure(outputs)
+            flags |= _OUTPUTS if self._structure is not None and _same(structure, self._structure) \
+                else _OUTPUTS | _STRUCTURE
+        head = [math.nan if loss is None else loss, float(flags), float(len(numbers)), *numbers[:_INLINE]]
+        message = torch.tensor(head + [0.0] * (_MESSAGE_LEN - len(head)), dtype=torch.float64, device=self.device)
+        if self.on_host:
+            self._exchange_message(message)
+        return _Outgoing(math.nan if loss is None else loss, layout, numbers, flags, structure, tensors, message)
+
+    def share(self, loss: float | None, records: list[LogRecord], outputs: Any, send_outputs: bool,
+              again: bool = False, posted: _Outgoing | None = None) -> tuple[float, list[LogRecord], Any, bool]:
+        """On the source, send ``loss`` (``None``: no loss), ``records`` and, if ``send_outputs``, ``outputs``, or
+        (``again``) that the step must run again, eagerly (or what :meth:`post` took, ``posted``); elsewhere the
+        arguments are ignored (but ``send_outputs`` must be the same on every stage). Returns what the source sent,
+        on every stage: the outputs are ``None`` where they were not sent."""
         if self.is_source:
-            flags = (_LAYOUT if layout != self._layout else 0) | (_AGAIN if again else 0)
-            if send_outputs and outputs is not None:
-                structure, tensors = _structure(outputs)
-                flags |= _OUTPUTS if self._structure is not None and _same(structure, self._structure) \
-                    else _OUTPUTS | _STRUCTURE
-            count = len(numbers)
-            head = [math.nan if loss is None else loss, float(flags), float(count), *numbers[:_INLINE]]
-            message = torch.tensor(head + [0.0] * (_MESSAGE_LEN - len(head)), dtype=torch.float64,
-                                   device=self.device)
+            out = posted if posted is not None else self.post(loss, records, outputs, send_outputs, again)
+            if not self.on_host:
+                self._exchange_message(out.message)
+            loss, layout, numbers, flags = out.loss, out.layout, out.numbers, out.flags
+            structure, tensors, count = out.structure, out.tensors, len(out.numbers)
         else:
-            message = torch.empty(_MESSAGE_LEN, dtype=torch.float64, device=self.device)
-        message = self._exchange_message(message)
-        if not self.is_source:
-            values = message.tolist()
+            values = self._exchange_message(torch.empty(_MESSAGE_LEN, dtype=torch.float64, device=self.device)
+                                            ).tolist()
             loss, flags, count = values[0], int(values[1]), int(values[2])
-            numbers = values[3:3 + min(count, _INLINE)]
+            layout, numbers = self._layout, values[3:3 + min(count, _INLINE)]
+            structure, tensors = None, []
         if count > _INLINE:
             more = (torch.tensor(numbers[_INLINE:], dtype=torch.float64, device=self.device) if self.is_source
                     else torch.empty(count - _INLINE, dtype=torch.float64, device=self.device))
@@ -220,7 +245,7 @@ class ResultExchange:
                 dist.broadcast(pack(tensors, self.device), self.source, group=self.group)
         else:
             outputs = self._receive_outputs() if flags & _OUTPUTS else None
-        return math.nan if loss is None else loss, join_records(layout, numbers), outputs, bool(flags & _AGAIN)
+        return loss, join_records(layout, numbers), outputs, bool(flags & _AGAIN)
 
     def _receive_outputs(self) -> Any:
         assert self._structure is not None

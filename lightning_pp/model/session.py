@@ -29,7 +29,7 @@ from lightning_pp.model.assembly import (
     set_aside_example_input,
     shard_outside_weights,
 )
-from lightning_pp.model.delayed import DelayedUpdates, refuse_for_delayed_updates
+from lightning_pp.model.delayed import DelayedUpdates, SigtermAtNextStep, refuse_for_delayed_updates
 from lightning_pp.model.eager import EagerLink
 from lightning_pp.model.results import outputs_read
 from lightning_pp.model.step import StepDriver
@@ -98,6 +98,8 @@ class StageSession:
         self.driver = StepDriver(module, partition.view, p2p, self.recorder, device, schedules, microbatches,
                                  options.microbatch_weight, groups if pipelined else None, position=self.stage,
                                  outside=lambda: partition.shared_tensors(module)[0])
+        self._sigterm: SigtermAtNextStep | None = None  # pipedream_2bw: the SIGTERM agreement without a barrier
+        self._undo_sigterm: Callable[[], None] = lambda: None
         if pipelined and fitting and options.schedule == "pipedream_2bw":
             refuse_for_delayed_updates(module.trainer, options.microbatches or microbatches)
             self.driver.delayed = DelayedUpdates(stream_cuts(layout.num_stages, microbatches), self.stage)
@@ -133,6 +135,9 @@ class StageSession:
                 check_initialized(self.assembly, self.module, self.layout, self.rank, self.object_group())
         if self.layout.num_stages == 1:
             return
+        if step_name == "training_step" and self.driver.delayed is not None:  # no barrier between its steps
+            self._sigterm = SigtermAtNextStep(self.module.trainer, self.object_group())
+            self._undo_sigterm = _compat.replace_sigterm_broadcast(self.module.trainer, self._sigterm)
         with collective(f"agreeing whether the stages read what {step_name} returns"):
             sent = self.driver.decide_outputs(step_name, outputs_read(self.module.trainer, step_name))
         if not sent and step_name == "predict_step" and self.rank == 0:
@@ -164,7 +169,7 @@ class StageSession:
         if not optimizer_step:
             return
         if self.driver.delayed is not None:  # before the optimizer step replaces the weights in place
-            self.driver.delayed.keep_weights()
+            self.telemetry.kept_weight_bytes = self.driver.delayed.keep_weights()
         assembly = self.assembly
         if assembly.placing is not None and assembly.placing.observation is not None:
             delayed = self.driver.delayed  # pipedream_2bw hands over the previous batch's: show the observed one's
@@ -191,6 +196,10 @@ class StageSession:
         self.driver.drain()
         if end_of_fit and self.driver.delayed is not None:
             self.driver.delayed.drop()
+            if self._sigterm is not None:
+                self._sigterm.finish()
+                self._sigterm = None
+            self._undo_sigterm()
 
     def end_loop(self) -> None:
         """At the end of a loop: blocks sharded over the replicas give up the weights their passes gathered."""
@@ -217,6 +226,7 @@ class StageSession:
         """Release the assembly (see :func:`release`), undo the summary's and the logs' patches, give the module its
         ``example_input_array`` back."""
         self.restore_example_input()
+        self._undo_sigterm()
         release(self.assembly)
         self.recorder.detach()
         if self._undo_summary is not None:

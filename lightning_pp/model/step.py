@@ -145,7 +145,9 @@ class StepDriver:
         result: Any = None
         extra: dict[str, Any] | None = None
         records: list[Any] = []
-        if self.holds_last and step.training:
+        if step.finished is not None:  # posted before the schedule ended (pipedream_2bw's last stage)
+            result, extra, records = step.finished
+        elif self.holds_last and step.training:
             result, extra, records = step.finish_training()
         elif self.holds_last:
             result, records = step.finish_evaluation()
@@ -189,7 +191,8 @@ class StepDriver:
                 count = step.schedule.num_microbatches
                 handed = self.delayed.run_step(params, functools.partial(
                     run_stage, rank=self.position, forward=lambda stage, mb, got: step.forward(stage, mb % count, got),
-                    p2p=self.p2p, training=True, params=self._parameters_of, events=events, clock=clock))
+                    p2p=self.p2p, training=True, params=self._parameters_of, events=events, clock=clock),
+                    after_forwards=self._post_early(step))
                 self.last_schedule = self.delayed.last_schedule
             else:
                 run_stage(step.schedule, self.position, step.forward, self.p2p, training=step.training,
@@ -212,10 +215,24 @@ class StepDriver:
         with collective("sharing the step's results from the pipeline's last stage"):
             sent_loss, records, sent, again = self._exchange.share(
                 result if step.training else None, records, extra if step.training else result,
-                self._send_outputs.get(step.name, True) and result is not _AGAIN, again=result is _AGAIN)
+                self._send_outputs.get(step.name, True) and result is not _AGAIN, again=result is _AGAIN,
+                posted=step.posted)
         if again:
             return _AGAIN, None, []
         return (sent_loss, sent, records) if step.training else (sent, None, records)
+
+    def _post_early(self, step: _Step) -> Callable[[], None] | None:
+        """pipedream_2bw, on the last stage: once its last forward has run, the batch's loss and logged values are
+        known; posting them then (gloo), before the backwards, lets the other stages end their step without waiting
+        for the last stage's. None where the results are shared at the step's end."""
+        exchange = self._exchange
+        if not self.holds_last or exchange is None or not exchange.on_host:
+            return None
+
+        def post() -> None:
+            step.finished = result, extra, records = step.finish_training()
+            step.posted = exchange.post(result, records, extra, self._send_outputs.get(step.name, True))
+        return post
 
     def drain(self) -> None:
         """pipedream_2bw: back up what the latest training step left in flight (every rank at once)."""
@@ -279,6 +296,9 @@ class _Step:
         self.extras: dict[int, dict[str, Any]] = {}  # training: the other entries of a dict training_step returned
         self.block_outputs: dict[int, Any] = {}  # evaluation on the last stage: what the blocks gave per micro-batch
         self.block_sides: dict[int, Sides] = {}  # ... and what hooks inside every stage's blocks recorded
+        # training results known, and posted, before the schedule ended (pipedream_2bw's last stage)
+        self.finished: tuple[float, dict[str, Any] | None, list[Any]] | None = None
+        self.posted: Any = None
 
     def forward(self, stage: int, mb: int, received: Any) -> Any:
         """Micro-batch ``mb`` through the user's step as ``stage`` (the runtime's forward): what the blocks send on,
