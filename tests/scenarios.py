@@ -455,3 +455,29 @@ def model_summary(model: str) -> tuple[list[dict[str, Any]], list[str]]:
 
     return summarized(lambda **kwargs: fit(model, PipelineParallelStrategy(schedule="1f1b"), devices=WORLD_SIZE,
                                            max_steps=1, enable_model_summary=True, **kwargs))
+
+
+def sigterm_words(signal_at: int, steps: int) -> int | None:
+    """``pipedream_2bw``'s SIGTERM agreement (``SigtermAtNextStep``) over ``steps`` step starts: global rank 0 gets the
+    signal before step ``signal_at``'s start; returns the step at whose start this rank stopped (None: it did not)."""
+    from types import SimpleNamespace
+
+    import torch.distributed as dist
+    from lightning.pytorch.utilities.exceptions import SIGTERMException
+
+    from lightning_pp.model.delayed import SigtermAtNextStep
+
+    dist.init_process_group("gloo", rank=GLOBAL_RANK, world_size=WORLD_SIZE)
+    trainer = SimpleNamespace(received_sigterm=False)
+    agree = SigtermAtNextStep(trainer, None)
+    try:
+        for step in range(steps):
+            trainer.received_sigterm = GLOBAL_RANK == 0 and step >= signal_at
+            try:
+                agree()
+            except SIGTERMException:
+                return step
+        agree.finish()
+        return None
+    finally:
+        dist.destroy_process_group()

@@ -163,3 +163,15 @@ def test_what_it_cannot_run_fails_alike_and_a_failure_mid_batch_ends_every_rank(
     assert "a bug in the user's training_step" in ranks[0].errors[1]["message"]
     for rank in ranks[1:]:
         assert "rank 0" in rank.errors[1]["message"] or "Pipeline" in rank.errors[1]["type"], rank.errors[1]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_sigterm_on_rank_zero_stops_every_rank_at_the_same_step() -> None:
+    """Lightning's per-step SIGTERM broadcast (a barrier) is replaced by a word rank 0 sends at each step's start and
+    every rank acts on at the next: a signal before step 3's start stops all 4 ranks at step 4's; without one, none."""
+    ranks = launch(4, [{"scenario": "sigterm_words", "kwargs": {"signal_at": 3, "steps": 8}},
+                       {"scenario": "sigterm_words", "kwargs": {"signal_at": 99, "steps": 5}}], timeout=60)
+    for rank in ranks:
+        assert not rank.errors, rank.errors
+        assert rank.results == [4, None], rank.results
