@@ -342,6 +342,9 @@ class PipelineOptions:
                    f"pipeline has {num_stages} ({where}): run it on {self.schedule_file.num_ranks} ranks per "
                    f"pipeline.")
         microbatches = self.microbatches if self.microbatches is not None else 2 * num_stages
+        check(self.schedule != "pipedream_2bw" or num_stages > 1,
+               f"schedule='pipedream_2bw' on a pipeline of one rank ({where}): with nothing to overlap, its delayed "
+               f"update would only change training. Run it on 2 or more ranks per pipeline, or use schedule='1f1b'.")
         check(self.schedule != "pipedream_2bw" or microbatches >= num_stages,
                f"schedule='pipedream_2bw' needs at least as many micro-batches as ranks in a pipeline "
                f"(microbatches={microbatches}, {num_stages} ranks): with fewer, more than one earlier batch would "

@@ -49,8 +49,8 @@ def test_split_batch_errors() -> None:
     ("kwargs", "message"),
     [
         ({"schedule": "interleaved"}, r"Unknown schedule 'interleaved'. Valid schedules: 1f1b, dualpipev, "
-                                      r"gpipe, interleaved_1f1b, naive, zb_h1, zbv, 'auto' \(chosen from measured "
-                                      r"costs\), or the path of a \.csv file"),
+                                      r"gpipe, interleaved_1f1b, naive, pipedream_2bw, zb_h1, zbv, 'auto' \(chosen "
+                                      r"from measured costs\), or the path of a \.csv file"),
         ({"schedule": "missing.csv"}, r"Schedule file 'missing.csv' does not exist"),
         ({"schedule": "interleaved_1f1b", "stages_per_rank": 1}, r"runs at least 2 stage\(s\) per rank"),
         ({"schedule": "1f1b", "stages_per_rank": 2}, r"Several stages per rank need schedule='interleaved_1f1b'"),

@@ -98,6 +98,8 @@ def test_fewer_microbatches_than_ranks_is_refused_before_any_collective() -> Non
     with pytest.raises(PipelineConfigError, match=r"microbatches=3, 4 ranks.*Pass microbatches=4 or more"):
         options.check_world(4, 4, 1)
     options.check_world(3, 3, 1)
+    with pytest.raises(PipelineConfigError, match=r"on a pipeline of one rank"):
+        PipelineOptions(schedule="pipedream_2bw").check_world(1, 1, 1)
 
 
 # ------------------------------------------------------------------------------------------------ multi-process

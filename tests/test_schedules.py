@@ -91,7 +91,8 @@ rank 3 |... ... ... 3F0 4F0 3F1 4F1 3F2 4F2 3F3 4F3 4I0 4W0 3F4 3I0 3W0 4F4 4I1 
 # the pictures each generator's docstring draws (short enough for its line length)
 IN_DOCSTRING = [("gpipe", 4, 8, 1), ("1f1b", 4, 8, 1), ("zb_h1", 4, 8, 1), ("interleaved_1f1b", 2, 4, 2),
                 ("interleaved_1f1b", 4, 4, 2), ("zbv", 2, 4, 2), ("dualpipev", 2, 4, 2)]
-STAGES_PER_RANK = {"naive": 1, "gpipe": 1, "1f1b": 1, "zb_h1": 1, "interleaved_1f1b": 2, "zbv": 2, "dualpipev": 2}
+STAGES_PER_RANK = {"naive": 1, "gpipe": 1, "1f1b": 1, "zb_h1": 1, "interleaved_1f1b": 2, "zbv": 2, "dualpipev": 2,
+                   "pipedream_2bw": 1}
 
 
 def _build(name: str, ranks: int, microbatches: int, stages_per_rank: int | None = None,
@@ -388,7 +389,7 @@ def test_validator_checks_stages_sharing_a_rank() -> None:
 
 
 def test_unknown_schedule_lists_valid_names() -> None:
-    with pytest.raises(PipelineConfigError, match="1f1b, dualpipev, gpipe, interleaved_1f1b, naive, zb_h1, zbv, or the path"):
+    with pytest.raises(PipelineConfigError, match="1f1b, dualpipev, gpipe, interleaved_1f1b, naive, pipedream_2bw, zb_h1, zbv, or the path"):
         build_schedule("zero-bubble", 2, 4)
 
 

@@ -165,7 +165,8 @@ class SigtermAtNextStep:
     def __init__(self, trainer: Any, group: Any) -> None:
         self.trainer, self.group = trainer, group
         self.rank, self.world = dist.get_rank(), dist.get_world_size()
-        self._word = torch.zeros(1, dtype=torch.int64)  # rank 0: the word sent last; others: the one awaited
+        # rank 0: the word it sent last; the others: the word they await
+        self._word = torch.zeros(1, dtype=torch.int64, device="cpu")
         self._works: list[dist.Work] = []
         self._previous = False  # rank 0: its word at the previous step
 
@@ -174,11 +175,11 @@ class SigtermAtNextStep:
         self._wait_sent()
         if self.rank == 0:
             self._previous = bool(getattr(self.trainer, "received_sigterm", False))
-            self._word = torch.tensor([int(self._previous)], dtype=torch.int64)
+            self._word = torch.tensor([int(self._previous)], dtype=torch.int64, device="cpu")
             self._works = [work for peer in range(1, self.world)
                            if (work := dist.isend(self._word, peer, group=self.group, tag=self._TAG)) is not None]
         else:
-            self._word = torch.zeros(1, dtype=torch.int64)
+            self._word = torch.zeros(1, dtype=torch.int64, device="cpu")
             work = dist.irecv(self._word, 0, group=self.group, tag=self._TAG)
             self._works = [work] if work is not None else []
         if stop:
