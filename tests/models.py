@@ -727,6 +727,60 @@ class DelayedGradients(L.Callback):
             p.grad, self.previous[id(p)] = self.previous.get(id(p)), p.grad
 
 
+class _SeenWeights(torch.autograd.Function):
+    """A linear layer that records the weights its forward used and those its backward reads back (through autograd's
+    saved tensors, as every layer's backward does), numbering each pass."""
+
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, weight: torch.Tensor, layer: Any) -> torch.Tensor:
+        ctx.save_for_backward(x, weight)
+        ctx.layer, ctx.number = layer, len(layer.log)
+        layer.log.append((layer.index, "F", ctx.number, float(weight.double().sum()), None))
+        return x @ weight.t()
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, None]:
+        x, weight = ctx.saved_tensors
+        live = float(ctx.layer.weight.detach().double().sum())  # the layer's weights now
+        ctx.layer.log.append((ctx.layer.index, "B", ctx.number, float(weight.double().sum()), live))
+        return grad @ weight, grad.flatten(0, -2).t() @ x.flatten(0, -2), None
+
+
+class _RecordingLinear(nn.Module):
+    def __init__(self, index: int, width: int, log: list[Any]) -> None:
+        super().__init__()
+        self.index, self.log = index, log
+        self.weight = nn.Parameter(torch.randn(width, width) / width**0.5)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return torch.tanh(_SeenWeights.apply(x, self.weight, self))
+
+
+class WeightVersions(L.LightningModule):
+    """Blocks that record, per pass, the weights their forward used and their backward read back, and at each step's
+    start the weights they hold (in ``samples``): which version each pass of ``pipedream_2bw`` used."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.samples: list[Any] = []
+        self.inp = nn.Linear(10, 8)
+        self.layers = nn.Sequential(*[_RecordingLinear(i, 8, self.samples) for i in range(4)])
+        self.head = nn.Linear(8, 5)
+
+    def on_train_batch_start(self, batch: Any, batch_idx: int) -> None:
+        for layer in self.layers:
+            if isinstance(layer, _RecordingLinear) and not layer.weight.is_meta:  # held here, not another stage's
+                self.samples.append((layer.index, "S", self.trainer.global_step, float(layer.weight.double().sum()),
+                                     None))
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        x, y = batch
+        return nn.functional.cross_entropy(self.head(self.layers(self.inp(x))), y)
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+
 class MLPClassifierSGD(MLPClassifier):
     """The MLP with SGD (momentum, weight decay, StepLR): updates proportional to gradients, so fp32 summation-order
     noise stays at noise level in the parameters and they can be compared element-wise after training."""
@@ -785,6 +839,7 @@ class TiedModulesSGD(TiedClassifierSGD):
 
 
 MODELS["mlp_sgd"] = MLPClassifierSGD
+MODELS["weight_versions"] = WeightVersions
 MODELS["example_input"] = WithExampleInput
 MODELS["tied_sgd"] = TiedClassifierSGD
 MODELS["tied_modules_sgd"] = TiedModulesSGD

@@ -141,6 +141,32 @@ def test_trains_as_one_device_applying_the_previous_batchs_gradient(tmp_path: Pa
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timeout(200)
+def test_every_pass_reads_the_version_its_batchs_forward_used() -> None:
+    """Recorded by the blocks themselves (their backward reads the weights back from autograd's saved tensors): on
+    2 ranks, every forward of step t used the weights the step started with, every backward read the same weights
+    as its forward, and on stage 0 some backwards ran after the optimizer step had changed the weights (the kept
+    copy): the last stage's never did."""
+    ranks = launch(2, [_train("weight_versions", 4, max_steps=6)], timeout=150)
+    for rank, result in enumerate(rank.results[0] for rank in ranks):
+        log = result["samples"]
+        assert log, ranks[rank].output[-2000:]
+        for block in {entry[0] for entry in log}:
+            start, forwards, read_after_update = None, {}, 0
+            for _, kind, number, value, live in (entry for entry in log if entry[0] == block):
+                if kind == "S":
+                    start = value
+                elif kind == "F":
+                    assert value == start, (rank, block, number)  # the version the step started with
+                    forwards[number] = value
+                else:
+                    assert value == forwards[number], (rank, block, number)  # the forward's version
+                    read_after_update += value != live
+            assert len(forwards) == 6 * 4, (rank, block)
+            assert (read_after_update > 0) == (rank == 0), (rank, block, read_after_update)
+
+
+@pytest.mark.multiprocess
 @pytest.mark.timeout(400)
 def test_validation_test_predict_and_metrics_follow_the_rule() -> None:
     """fit with validation every epoch (the pipeline drains before it), then validate, test and predict, on 2 ranks:
