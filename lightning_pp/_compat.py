@@ -1,5 +1,7 @@
 """The private Lightning and torch APIs lightning_pp relies on, gathered in one place so an upgrade touches one file."""
 
+import signal
+import threading
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
@@ -178,14 +180,35 @@ def summary_depth(callback: Any) -> int:
     return int(callback._max_depth)
 
 
-def replace_sigterm_broadcast(trainer: Any, agree: Callable[[], None]) -> Callable[[], None]:
+def replace_sigterm_handling(trainer: Any, agree: Callable[[], None]) -> Callable[[], None]:
     """Have the training loop call ``agree()`` where it broadcasts, at every step's start, whether rank 0 received
-    SIGTERM (a barrier of every rank); returns what undoes it. A no-op where the loop has no such method."""
+    SIGTERM (a barrier of every rank), and Lightning's SIGTERM handler leave out its own broadcast (which meets that
+    one): it still stops the processes Lightning launched and records the signal. Returns what undoes both; a no-op
+    where the loop or the handler are not as expected, or off the main thread (where no handler can be set)."""
     loop = trainer.fit_loop.epoch_loop
-    if not hasattr(type(loop), "_broadcast_sigterm_tensor"):
+    connector = trainer._signal_connector
+    notifier = getattr(connector, "_sigterm_notifier_fn", None)
+    handler = signal.getsignal(signal.SIGTERM)
+    if (not hasattr(type(loop), "_broadcast_sigterm_tensor") or notifier is None
+            or threading.current_thread() is not threading.main_thread()):
         return lambda: None
+    others = [h for h in getattr(handler, "signal_handlers", [handler]) if h != notifier and callable(h)]
+
+    def notify(signum: int, frame: Any) -> None:
+        if not connector.received_sigterm and trainer.strategy.launcher is not None:
+            trainer.strategy.launcher.kill(signum)
+        connector.received_sigterm = True
+        for other in others:
+            other(signum, frame)
+
     loop._broadcast_sigterm_tensor = agree
-    return lambda: loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+    signal.signal(signal.SIGTERM, notify)
+
+    def undo() -> None:
+        loop.__dict__.pop("_broadcast_sigterm_tensor", None)
+        if threading.current_thread() is threading.main_thread():
+            signal.signal(signal.SIGTERM, handler)
+    return undo
 
 
 def replace_summary(callback: Any, summary: Callable[[Any, Any], Any]) -> Callable[[], None]:

@@ -13,7 +13,7 @@ last ``p - s - 1`` backwards of batch ``t - 1``, which the previous step left in
 
 - ``first``: the step after a drain (or the first step): batch ``t``'s part, nothing of an earlier batch;
 - ``steady``: batch ``t - 1``'s leftovers interleaved with batch ``t``'s part (every later step);
-- ``drain``: batch ``t``'s leftovers alone, run outside a step (before validation, a checkpoint, the end of fit).
+- ``drain``: batch ``t``'s leftovers alone, run outside a step (before validation, at the end of fit).
 
 In the lists a micro-batch's number is ``(t mod 2) * m + i`` for micro-batch ``i`` of batch ``t``: the two batches in
 flight never share a number, and each number's channel carries tensors of the same layout every other step.

@@ -62,8 +62,8 @@ class PipelineOptions:
     and weight gradients, the weight part deferred into the bubble), ``"zbv"`` (zero bubble with 2 stages per rank in a
     V), ``"dualpipev"`` (DeepSeek's DualPipe in its V form: the V of ``"zbv"``, a forward of one stage paired with a
     backward of the other; at least 2 micro-batches per rank), ``"pipedream_2bw"`` (asynchronous, opt-in:
-    PipeDream-2BW's 1F1B that never drains between batches, each batch's passes on the weights from two optimizer
-    steps back, so training is not one device's; see :mod:`lightning_pp.cross_batch`), the path of a ``.csv`` file
+    PipeDream-2BW's 1F1B that never drains between batches, each optimizer step applying the previous batch's
+    gradient, so training is not one device's; see :mod:`lightning_pp.cross_batch`), the path of a ``.csv`` file
     with one row of compute actions per rank in torch.distributed.pipelining's format (it fixes the micro-batch count),
     or ``"auto"``: at the start of ``fit``, global rank 0 times the blocks on the first batch and the simulator picks
     the schedule, ``microbatches``, ``stages_per_rank``, ``balance`` and activation checkpointing it predicts fastest

@@ -461,8 +461,6 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        if self._session is not None:
-            self._session.drain()  # a checkpoint holds one version of the weights
         return self._checkpoints.module_state(self.options.checkpoint_format)
 
     @override

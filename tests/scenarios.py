@@ -481,3 +481,20 @@ def sigterm_words(signal_at: int, steps: int) -> int | None:
         return None
     finally:
         dist.destroy_process_group()
+
+
+def sigterm_during_fit(model: str, step: int, **strategy: Any) -> dict[str, Any]:
+    """Train; global rank 0 receives a real SIGTERM as step ``step`` starts. Returns how this rank's fit ended."""
+    import lightning as L
+
+    class Signal(L.Callback):
+        def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                                 batch_idx: int) -> None:
+            if trainer.global_rank == 0 and trainer.global_step == step:
+                os.kill(os.getpid(), signal.SIGTERM)
+
+    try:
+        train(model, max_steps=12, trainer={"callbacks": [Signal()]}, **strategy)
+    except BaseException as error:  # SIGTERMException is a SystemExit
+        return {"type": type(error).__name__, "message": str(error)[:2000]}
+    return {"type": "none", "message": ""}

@@ -83,6 +83,51 @@ def test_the_stream_has_no_fill_or_drain_between_batches() -> None:
     assert steady.makespan == 13  # its first receive of a gradient sent in the previous step finds it there
 
 
+def _gradients_across_an_update(params: list[torch.nn.Parameter], loss: object) -> float:
+    """Max error of the gradients of ``loss()`` taken after an in-place update of ``params`` (the kept version read
+    back, the way a leftover backward runs) against those at the weights of the forward."""
+    from lightning_pp.model.delayed import _Version
+
+    for p in params:
+        p.grad = None
+    version = _Version(params)
+    with torch.autograd.graph.saved_tensors_hooks(version.pack, _Version.unpack):
+        out = loss()  # type: ignore[operator]
+    before = [p.detach().clone() for p in params]
+    version.keep()
+    with torch.no_grad():
+        for p in params:
+            p.add_(1.0)
+    with version.in_place():
+        out.backward()
+    got = [p.grad.clone() for p in params]  # type: ignore[union-attr]
+    with torch.no_grad():
+        for p, value in zip(params, before, strict=True):
+            p.copy_(value)
+            p.grad = None
+    loss().backward()  # type: ignore[operator]
+    return max(float((a - p.grad).abs().max()) for a, p in zip(got, params, strict=True))  # type: ignore[operator]
+
+
+def test_the_kept_version_is_read_back_wherever_the_weights_lie() -> None:
+    """Parameters sharing one storage (a fused tensor's rows), one starting inside its storage, a zero-size tensor
+    saved beside them, and a forward recomputed in backward (activation checkpointing inside the user's block): the
+    gradients after an in-place update of the weights are those at the forward's weights."""
+    x = torch.randn(3, 4)
+    fused = torch.randn(3, 4, 4)
+    q, k = torch.nn.Parameter(fused[1]), torch.nn.Parameter(fused[2])
+    assert _gradients_across_an_update([q, k], lambda: ((x @ q) * (x @ k)).sum()) == 0.0
+    inner = torch.nn.Parameter(torch.randn(8, 4)[2:])
+    assert _gradients_across_an_update([inner], lambda: (x @ inner[:4].t()).pow(2).sum()) == 0.0
+    w = torch.nn.Parameter(torch.randn(4, 4))
+    empty = torch.zeros(0, dtype=torch.int64)
+    assert _gradients_across_an_update([w], lambda: (x @ w).tanh().sum() + empty.sum()) == 0.0
+    def recomputed() -> torch.Tensor:
+        return torch.utils.checkpoint.checkpoint(lambda h: (h @ w).tanh(), x, use_reentrant=False).sum()
+
+    assert _gradients_across_an_update([w], recomputed) == 0.0
+
+
 @pytest.mark.parametrize(("options", "match"), [
     ({"tensor_parallel_size": 2}, "with tensor_parallel_size > 1"),
     ({"data_parallel": "fsdp"}, "with data_parallel='fsdp'"),
@@ -203,3 +248,18 @@ def test_a_sigterm_on_rank_zero_stops_every_rank_at_the_same_step() -> None:
     for rank in ranks:
         assert not rank.errors, rank.errors
         assert rank.results == [4, None], rank.results
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(120)
+def test_a_real_sigterm_on_rank_zero_ends_every_rank() -> None:
+    """With Lightning's per-step broadcast replaced, its SIGTERM handler must not broadcast either (nobody would meet
+    it): a real signal on rank 0 mid-stream stops it at its step's end (Lightning's own check), and the other rank,
+    waiting for it in the next step, ends at once with an error naming it; nothing hangs."""
+    ranks = launch(2, [{"scenario": "sigterm_during_fit",
+                        "kwargs": {"model": "mlp_sgd", "step": 2, "schedule": "pipedream_2bw", "microbatches": 4,
+                                   "timeout": 20}}], timeout=60)
+    ended = [rank.results[0] if rank.results and rank.results[0] else rank.errors.get(0) for rank in ranks]
+    assert ended[0]["type"] == "SIGTERMException", ended
+    assert ended[1]["type"] in ("SIGTERMException", "PipelineCommError", "PipelineTimeoutError", "RuntimeError"), ended
+    assert ended[1]["type"] == "SIGTERMException" or "rank 0" in ended[1]["message"], ended

@@ -17,7 +17,7 @@ stage, so the optimizer step that ends step ``t`` applies it (the first step app
 from __future__ import annotations
 
 from collections.abc import Callable, Iterator
-from contextlib import AbstractContextManager, contextmanager, nullcontext
+from contextlib import AbstractContextManager, ExitStack, contextmanager, nullcontext
 from typing import Any
 
 import torch
@@ -36,34 +36,61 @@ _Grads = dict[torch.nn.Parameter, Tensor | None]
 
 
 class _Version:
-    """The weights one batch's passes use: the live parameters until :meth:`keep` copies them (before the optimizer
-    step that replaces them while that batch's backwards are still to come)."""
+    """The weights one batch's passes use: the live parameters' storages until :meth:`keep` copies them (before the
+    optimizer step that updates them in place while that batch's backwards are still to come). Kept per storage, so
+    parameters sharing one (views of a fused tensor) or starting inside one are read back where they lie."""
 
     def __init__(self, params: list[torch.nn.Parameter]) -> None:
         self.params = params
-        self.index = {p.untyped_storage().data_ptr(): i for i, p in enumerate(params)}
-        self.kept: list[Tensor] | None = None
+        self.storages = {ptr: p.untyped_storage() for p in params
+                         if p.numel() and (ptr := p.untyped_storage().data_ptr())}
+        self.kept: dict[int, torch.UntypedStorage] | None = None
 
-    def keep(self) -> None:
-        self.kept = [p.detach().clone() for p in self.params]
+    def keep(self) -> int:
+        """Copy the weights; returns the copy's bytes."""
+        self.kept = {ptr: storage.clone() for ptr, storage in self.storages.items()}
+        return sum(storage.nbytes() for storage in self.kept.values())
 
     def pack(self, tensor: Tensor) -> Any:
         """What a forward saves: for a parameter or a view of one, where to find it later."""
+        if not tensor.numel():
+            return tensor
         try:
-            index = self.index.get(tensor.untyped_storage().data_ptr())
+            ptr = tensor.untyped_storage().data_ptr()
         except (RuntimeError, NotImplementedError):  # no storage of its own (a subclass, a nested tensor)
             return tensor
-        if index is None:
+        if ptr not in self.storages:
             return tensor
-        return self, index, tensor.size(), tensor.stride(), tensor.storage_offset()
+        return self, ptr, tensor.dtype, tensor.size(), tensor.stride(), tensor.storage_offset()
+
+    def read(self, ptr: int, dtype: torch.dtype, size: Any, stride: Any, offset: int) -> Tensor:
+        """The tensor at ``offset`` (size, stride, dtype) of this version's storage ``ptr``."""
+        storage = self.kept[ptr] if self.kept is not None else self.storages[ptr]
+        return torch.empty(0, dtype=dtype, device=storage.device).set_(storage, offset, size, stride)
 
     @staticmethod
     def unpack(saved: Any) -> Tensor:
         if not (isinstance(saved, tuple) and saved and isinstance(saved[0], _Version)):
             return saved  # type: ignore[no-any-return]
-        version, index, size, stride, offset = saved
-        source = version.kept[index] if version.kept is not None else version.params[index].detach()
-        return source.as_strided(size, stride, offset)
+        return saved[0].read(*saved[1:])
+
+    @contextmanager
+    def in_place(self) -> Iterator[None]:
+        """The parameters hold this (kept) version meanwhile: what a leftover backward reads other than through
+        autograd's saved tensors (a forward recomputed in backward, a weight a custom function keeps) is it too."""
+        if self.kept is None:
+            yield
+            return
+        live = [p.data for p in self.params]
+        for p in self.params:
+            ptr = p.untyped_storage().data_ptr()
+            if ptr in self.storages:
+                p.data = self.read(ptr, p.dtype, p.size(), p.stride(), int(p.storage_offset()))
+        try:
+            yield
+        finally:
+            for p, data in zip(self.params, live, strict=True):
+                p.data = data
 
 
 class DelayedUpdates:
@@ -75,33 +102,44 @@ class DelayedUpdates:
         self.has_leftovers = cuts.leftovers(position) > 0
         self.batch = -1  # the batch of the latest step
         self.open = False  # whether the latest batch still has backwards in flight somewhere (no drain since)
+        self.broken = False  # a step failed half-way: what is in flight is lost (nothing drains it)
         self.carried: StageRun | None = None
         self.previous: _Grads = {}  # the previous batch's gradients (its leftovers accumulate into them)
         self.version: _Version | None = None  # the weights the in-flight batch's forwards used
         self.last_schedule: Schedule | None = None
 
-    def run_step(self, params: list[torch.nn.Parameter], run: Callable[..., StageRun],
+    def run_step(self, params: list[torch.nn.Parameter], run: Callable[..., StageRun], microbatches: int,
                  after_forwards: Callable[[], None] | None = None) -> list[tuple[torch.nn.Parameter, Tensor]]:
-        """One training step, its gradients accumulating from ``None`` in the ``params`` (this rank's trainable
-        weights): ``run(schedule, stream=, carried=, around=)`` runs this rank's cut, calling ``after_forwards``
-        once its last forward has run. Returns the gradients to hand Lightning: the previous batch's."""
+        """One training step of ``microbatches`` micro-batches, its gradients accumulating from ``None`` in the
+        ``params`` (this rank's trainable weights): ``run(schedule, stream=, carried=, around=)`` runs this rank's
+        cut, calling ``after_forwards`` once its last forward has run. Returns the gradients to hand Lightning: the
+        previous batch's."""
+        if microbatches != self.cuts.num_microbatches:  # every rank sees the same batch: every rank raises
+            raise PipelineConfigError(
+                f"schedule='pipedream_2bw' got a training batch split into {microbatches} micro-batches, not "
+                f"{self.cuts.num_microbatches}: the stream runs batches of one size. Use batches of at least "
+                f"{self.cuts.num_microbatches} samples (DataLoader(drop_last=True) for a short last batch).")
         self.batch += 1
         schedule = self.last_schedule = self.cuts.for_step("steady" if self.open else "first", self.batch)
         version = _Version(params) if self.has_leftovers else None
+        previous_version = self.version
         m = self.cuts.num_microbatches
         current = range((self.batch % 2) * m, (self.batch % 2) * m + m)
         last_forward = [a for a in schedule.actions[self.position] if a.type is ActionType.FORWARD][-1]
 
         def around(action: Action) -> AbstractContextManager[Any]:
             if action.microbatch not in current:
-                return self._into_previous(params)
-            if action == last_forward and after_forwards is not None:
-                return _then(after_forwards)
+                return self._leftover(params, previous_version)
+            stack = ExitStack()
             if version is not None and action.type is ActionType.FORWARD:
-                return torch.autograd.graph.saved_tensors_hooks(version.pack, _Version.unpack)
-            return nullcontext()
+                stack.enter_context(torch.autograd.graph.saved_tensors_hooks(version.pack, _Version.unpack))
+            if action == last_forward and after_forwards is not None:
+                stack.enter_context(_then(after_forwards))
+            return stack
 
+        self.broken = True  # until the step has run
         self.carried = run(schedule, stream=True, carried=self.carried, around=around)
+        self.broken = False
         handed = [(p, g) for p, g in self.previous.items() if g is not None]
         self.previous, self.version, self.open = {p: p.grad for p in params}, version, True
         return handed
@@ -109,18 +147,16 @@ class DelayedUpdates:
     def keep_weights(self) -> int:
         """Before the optimizer step: copy the weights the in-flight batch's leftover backwards will need; returns
         the copy's bytes."""
-        if not (self.open and self.version is not None):
-            return 0
-        self.version.keep()
-        return sum(t.numel() * t.element_size() for t in self.version.kept or [])
+        return self.version.keep() if self.open and self.version is not None else 0
 
     def drain(self, params: list[torch.nn.Parameter], run: Callable[..., StageRun]) -> None:
-        """Back up the latest batch's leftovers (every rank calls this at once: before validation, a checkpoint,
-        the end of fit). Its gradient stays for the next step to hand over."""
-        if not self.open:
+        """Back up the latest batch's leftovers (every rank calls this at once: before validation and at the end of
+        fit). Its gradient stays for the next step to hand over."""
+        if not self.open or self.broken:
             return
+        version = self.version
         run(self.cuts.for_step("drain", self.batch), stream=False, carried=self.carried,
-            around=lambda action: self._into_previous(params))
+            around=lambda action: self._leftover(params, version))
         self.carried, self.version, self.open = None, None, False
 
     @contextmanager
@@ -141,16 +177,26 @@ class DelayedUpdates:
         self.previous = {}
 
     @contextmanager
-    def _into_previous(self, params: list[torch.nn.Parameter]) -> Iterator[None]:
-        """Run a leftover backward of the previous batch into that batch's gradients."""
-        current = {p: p.grad for p in params}
-        for p in params:
+    def _leftover(self, params: list[torch.nn.Parameter], version: _Version | None) -> Iterator[None]:
+        """Run a leftover backward of the previous batch into that batch's gradients (also of weights frozen since),
+        on the version of the weights its forward used."""
+        weights = list(dict.fromkeys([*params, *self.previous]))
+        current = {p: p.grad for p in weights}
+        for p in weights:
             p.grad = self.previous.get(p)
         try:
-            yield
+            with version.in_place() if version is not None else nullcontext():
+                yield
         finally:
-            for p in params:
+            for p in weights:
                 self.previous[p], p.grad = p.grad, current[p]
+
+
+@contextmanager
+def _then(call: Callable[[], None]) -> Iterator[None]:
+    """Call ``call`` once the block ran without an error."""
+    yield
+    call()
 
 
 class SigtermAtNextStep:
@@ -158,7 +204,8 @@ class SigtermAtNextStep:
     start, whether global rank 0 received SIGTERM, so that every rank stops at the same step; a gloo broadcast waits
     for every rank, so the last stage, which ends a ``pipedream_2bw`` step last, would hold back the first stage's next
     forward. Here rank 0 sends its word point to point, and every rank acts on the word of the step before: all stop
-    at the same step, one step after the signal. ``group``: a gloo group of every rank."""
+    at the same step, one step after the signal (Lightning's handler no longer broadcasts: see
+    :func:`lightning_pp._compat.replace_sigterm_handling`). ``group``: a gloo group of every rank."""
 
     _TAG = 11
 
@@ -204,13 +251,6 @@ class SigtermAtNextStep:
             self._wait_sent()
         else:
             self._await()
-
-
-@contextmanager
-def _then(call: Callable[[], None]) -> Iterator[None]:
-    """Call ``call`` once the block ran without an error."""
-    yield
-    call()
 
 
 def refuse_for_delayed_updates(trainer: Any, microbatches: int) -> None:

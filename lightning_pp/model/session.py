@@ -137,7 +137,7 @@ class StageSession:
             return
         if step_name == "training_step" and self.driver.delayed is not None:  # no barrier between its steps
             self._sigterm = SigtermAtNextStep(self.module.trainer, self.object_group())
-            self._undo_sigterm = _compat.replace_sigterm_broadcast(self.module.trainer, self._sigterm)
+            self._undo_sigterm = _compat.replace_sigterm_handling(self.module.trainer, self._sigterm)
         with collective(f"agreeing whether the stages read what {step_name} returns"):
             sent = self.driver.decide_outputs(step_name, outputs_read(self.module.trainer, step_name))
         if not sent and step_name == "predict_step" and self.rank == 0:
@@ -191,9 +191,10 @@ class StageSession:
             self.telemetry.last_grad_sync_ms = sync_ms
 
     def drain(self, end_of_fit: bool = False) -> None:
-        """``pipedream_2bw``: back up what the stream left in flight, so the weights are one version (before
-        validation and a checkpoint; at the end of fit, where the last batch's gradient is then dropped)."""
+        """``pipedream_2bw``: back up what the stream left in flight (before validation, whose passes then have
+        the transfers to themselves; at the end of fit, where the last batch's gradient is then dropped)."""
         self.driver.drain()
+        self.telemetry.kept_weight_bytes = 0
         if end_of_fit and self.driver.delayed is not None:
             self.driver.delayed.drop()
             if self._sigterm is not None:

@@ -137,6 +137,11 @@ class StepDriver:
         ``None`` (training: the loss alone)."""
         if step_name in self._several_passes:
             return self._run_eagerly(step_name, args, kwargs)
+        if self.delayed is not None and step_name == "training_step" and accumulation != 1:
+            raise PipelineConfigError(  # (a GradientAccumulationScheduler may raise it during fit)
+                f"schedule='pipedream_2bw' with accumulate_grad_batches={accumulation}: each optimizer step applies "
+                f"one batch's gradient (the previous batch's). Use larger batches instead, or a synchronous schedule "
+                f"(schedule='1f1b').")
         step = _Step(self, step_name, args, kwargs, accumulation=accumulation, scaler=scaler)
         events: list[TimelineEvent] | None = [] if step.training and timing_sink is not None else None
         if self._exchange is not None:
@@ -192,7 +197,7 @@ class StepDriver:
                 handed = self.delayed.run_step(params, functools.partial(
                     run_stage, rank=self.position, forward=lambda stage, mb, got: step.forward(stage, mb % count, got),
                     p2p=self.p2p, training=True, params=self._parameters_of, events=events, clock=clock),
-                    after_forwards=self._post_early(step))
+                    count, after_forwards=self._post_early(step))
                 self.last_schedule = self.delayed.last_schedule
             else:
                 run_stage(step.schedule, self.position, step.forward, self.p2p, training=step.training,
