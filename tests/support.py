@@ -64,6 +64,13 @@ def reference(model: str, max_steps: int = 4, batch_size: int = 8, **trainer: An
             "fit": {"model_name": model, "max_steps": max_steps, "batch_size": batch_size, **trainer}}
 
 
+def delayed_reference(model: str, **trainer: Any) -> dict[str, Any]:
+    """One device applying each batch's gradient one step late (``models.DelayedGradients``): what
+    ``schedule="pipedream_2bw"`` must give."""
+    module, logger = fit(model, callbacks=[models.DelayedGradients()], **trainer)
+    return {"state": {k: v.detach().clone() for k, v in module.state_dict().items()}, "history": logger.history}
+
+
 def single_device_grads_at(expected: dict[str, Any], weights: list[dict[str, torch.Tensor]]
                            ) -> list[dict[str, torch.Tensor]]:
     """The gradients the single-device run of ``expected`` hands its optimizer when every step starts from

@@ -18,12 +18,14 @@ import pytest
 from _launch import launch
 from support import (
     assemble,
+    assert_matches,
     assert_params_close,
     assert_trains_like,
     check_all,
     check_dead_peer_raises_timeout_on_the_other_rank,
     check_lifecycle,
     check_user_error_reaches_the_other_stage,
+    delayed_reference,
     epochs_run,
     job,
     pipelined,
@@ -84,6 +86,16 @@ def test_schedules_match_single_device() -> None:
     ranks = launch(2, runs, timeout=300)
     for index, run in enumerate(runs):
         assert_trains_like(ranks, index, run, reference(run["kwargs"]["model"]), f"emulated NCCL {run['kwargs']}")
+
+
+def test_pipedream_2bw_follows_its_rule() -> None:
+    """The asynchronous stream under NCCL's control flow (headers on the host, payloads batched and polled), its
+    sends left pending across a step's end: as one device applying the rule, a tied weight on the first and the last
+    stage."""
+    run = {"scenario": "train", "kwargs": {"model": "tied_sgd", "schedule": "pipedream_2bw", "microbatches": 4,
+                                           "max_steps": 6}}
+    full, history = assemble(launch(2, [run], timeout=120), 0)
+    assert_matches(full, history, delayed_reference("tied_sgd", max_steps=6), "pipedream_2bw, emulated NCCL")
 
 
 def test_validation_test_predict_and_metrics_match_single_device() -> None:

@@ -16,7 +16,7 @@ import models
 import pytest
 import torch
 from _launch import launch
-from support import assemble, assert_matches, check_lifecycle
+from support import assemble, assert_matches, check_lifecycle, delayed_reference
 
 from lightning_pp import PipelineConfigError, PipelineParallelStrategy
 from lightning_pp.actions import Action, ActionType
@@ -150,12 +150,6 @@ def test_fewer_microbatches_than_ranks_is_refused_before_any_collective() -> Non
 # ------------------------------------------------------------------------------------------------ multi-process
 
 
-def _rule(model: str, **trainer: object) -> dict[str, object]:
-    """One device applying each batch's gradient one step late (the reference)."""
-    module, logger = models.fit(model, callbacks=[models.DelayedGradients()], **trainer)  # type: ignore[arg-type]
-    return {"state": {k: v.detach().clone() for k, v in module.state_dict().items()}, "history": logger.history}
-
-
 def _train(model: str, m: int, **kwargs: object) -> dict[str, object]:
     return {"scenario": "train", "kwargs": {"model": model, "schedule": "pipedream_2bw", "microbatches": m, **kwargs}}
 
@@ -175,7 +169,7 @@ def test_trains_as_one_device_applying_the_previous_batchs_gradient(tmp_path: Pa
     ranks2, ranks4 = launch(2, runs2, timeout=200), launch(4, runs4, timeout=200)
     for ranks, index, run in ((ranks2, 0, runs2[0]), (ranks2, 1, runs2[1]), (ranks4, 0, runs4[0])):
         kwargs = run["kwargs"]
-        expected = _rule(kwargs["model"], max_steps=kwargs["max_steps"])
+        expected = delayed_reference(kwargs["model"], max_steps=kwargs["max_steps"])
         full, history = assemble(ranks, index)
         assert_matches(full, history, expected, f"pipedream_2bw {len(ranks)} ranks {kwargs}")
     full, history = assemble(ranks4, 1)  # every weight equal on the ranks holding it (both replicas)
