@@ -277,9 +277,9 @@ class PipelineOptions:
                               ("activation_checkpointing", bool(self.activation_checkpointing))):
                 check(not bad,
                        f"schedule='pipedream_2bw' with {what}: its backwards may run after an optimizer step, on a "
-                       f"copy of the weights their forward used, which sharded weights (and a forward recomputed in "
-                       f"backward) do not have. Leave {what.split(' ')[0].split('=')[0]} out, or use a synchronous "
-                       f"schedule (schedule='1f1b').")
+                       f"kept copy of a stage's whole, local weights, which sharded weights do not have (and the "
+                       f"strategy's recomputation is not supported with it). Leave "
+                       f"{what.split(' ')[0].split('=')[0]} out, or use a synchronous schedule (schedule='1f1b').")
 
     @property
     def blocks_name(self) -> str | None:
