@@ -184,8 +184,8 @@ def test_trains_as_one_device_applying_the_previous_batchs_gradient(tmp_path: Pa
 def test_every_pass_reads_the_version_its_batchs_forward_used() -> None:
     """Recorded by the blocks themselves (their backward reads the weights back from autograd's saved tensors): on
     2 ranks, every forward of step t used the weights the step started with, every backward read the same weights
-    as its forward, and on stage 0 some backwards ran after the optimizer step had changed the weights (the kept
-    copy): the last stage's never did."""
+    as its forward (also the weights the layer held meanwhile), and on stage 0 some backwards ran in a later step, after
+    the optimizer step had changed the weights (the kept copy): the last stage's never did."""
     ranks = launch(2, [_train("weight_versions", 4, max_steps=6)], timeout=150)
     for rank, result in enumerate(rank.results[0] for rank in ranks):
         log = result["samples"]
@@ -199,8 +199,8 @@ def test_every_pass_reads_the_version_its_batchs_forward_used() -> None:
                     assert value == start, (rank, block, number)  # the version the step started with
                     forwards[number] = value
                 else:
-                    assert value == forwards[number], (rank, block, number)  # the forward's version
-                    read_after_update += value != live
+                    assert value == forwards[number] == live, (rank, block, number)  # the forward's version
+                    read_after_update += value != start  # a later step's: its weights had changed since
             assert len(forwards) == 6 * 4, (rank, block)
             assert (read_after_update > 0) == (rank == 0), (rank, block, read_after_update)
 
