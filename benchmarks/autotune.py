@@ -8,7 +8,9 @@ configuration's, not the machine's load. Each configuration trains ``L.Trainer(d
 strategy=PipelineParallelStrategy(...))`` in 2 fresh processes (one CPU thread each); the step is the window from one
 ``on_train_batch_start`` to the next (the whole step: schedule, result exchange, optimizer, Lightning's loop), median
 over the steps after ``--warmup``, min-max beside it. For ``"auto"`` the table also gives what it chose and the step it
-predicted. Printed as markdown and written to ``benchmarks/results/autotune.md``.
+predicted. Last, torch.distributed.pipelining's ``Schedule1F1B`` in a plain loop (next batch, ``schedule.step``, the
+optimizer) on the same blocks, split evenly and as the hand-found [1, 7], timed by the same window (its loop's start
+to the next). Printed as markdown and written to ``benchmarks/results/autotune.md``.
 """
 
 from __future__ import annotations
@@ -18,6 +20,7 @@ import json
 import statistics
 import sys
 import time
+from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
@@ -34,6 +37,61 @@ CONFIGS: list[tuple[str, dict[str, Any]]] = [
     ("zbv", {"schedule": "zbv", "microbatches": 4}),
     ("auto", {"schedule": "auto"}),
 ]
+# torch.distributed.pipelining in a plain loop on the same blocks: (label, schedule, micro-batches, blocks per rank)
+TORCH_CONFIGS = [("torch.distributed.pipelining, the hand default", "1f1b", 4, [4, 4]),
+                 ("torch.distributed.pipelining, split [1, 7] by hand", "1f1b", 4, [1, 7])]
+
+
+def blocks(us_per_row: float) -> Any:
+    """The model's blocks: the test suite's SplitSleepLayer (F, I and W each sleep, here per row), the first slower."""
+    from torch import nn
+
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from models import SplitSleepLayer
+
+    per_row = us_per_row / 1e6
+    return nn.Sequential(*[SplitSleepLayer(per_row * (SLOWDOWN if i == 0 else 1), per_row=True) for i in range(BLOCKS)])
+
+
+def batches(steps: int) -> Any:
+    import torch
+
+    generator = torch.Generator().manual_seed(0)
+    return torch.randn(BATCH * steps, 4, generator=generator), torch.randn(BATCH * steps, 4, generator=generator)
+
+
+def torch_worker(spec: dict[str, Any]) -> dict[str, Any]:
+    """torch.distributed.pipelining's Schedule1F1B in a plain loop (next batch, step, optimizer), timed the same way."""
+    import torch
+    import torch.distributed as dist
+    import torch.nn.functional as F
+    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
+
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo")
+    rank = dist.get_rank()
+    first, count = sum(spec["split"][:rank]), spec["split"][rank]
+    part = blocks(spec["us_per_row"])[first:first + count]
+    stage = PipelineStage(part, stage_index=rank, num_stages=2, device=torch.device("cpu"))
+    schedule = Schedule1F1B(stage, n_microbatches=spec["microbatches"], loss_fn=F.mse_loss)
+    optimizer = torch.optim.SGD(part.parameters(), lr=0.01)
+    steps = spec["warmup"] + spec["steps"] + 1
+    xs, ys = batches(steps)
+    marks = []
+    for step in range(steps):
+        marks.append(time.perf_counter())
+        x, y = xs[step * BATCH:(step + 1) * BATCH], ys[step * BATCH:(step + 1) * BATCH]
+        if rank == 0:
+            schedule.step(x)
+        else:
+            schedule.step(target=y)
+        optimizer.step()
+        optimizer.zero_grad()
+    dist.barrier()
+    dist.destroy_process_group()
+    windows = [b - a for a, b in pairwise(marks)][spec["warmup"]:]
+    return {"steps_s": windows, "chosen": None, "predicted_s": None,
+            "config": f"{spec['schedule']} m={spec['microbatches']} split={spec['split']}"}
 
 
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -44,17 +102,14 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     from lightning_pp import PipelineParallelStrategy
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from models import SplitSleepLayer  # the test suite's: F, I and W each sleep (here per row)
-
+    if spec.get("runner") == "torch":
+        return torch_worker(spec)
     torch.set_num_threads(1)
 
     class SlowFirst(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            per_row = spec["us_per_row"] / 1e6
-            self.blocks = nn.Sequential(*[SplitSleepLayer(per_row * (SLOWDOWN if i == 0 else 1), per_row=True)
-                                          for i in range(BLOCKS)])
+            self.blocks = blocks(spec["us_per_row"])
 
         def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             x, y = batch
@@ -72,9 +127,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             self.marks.append(time.perf_counter())
 
     steps = spec["warmup"] + spec["steps"] + 1  # the extra step's start ends the last timed one
-    generator = torch.Generator().manual_seed(0)
-    data = TensorDataset(torch.randn(BATCH * steps, 4, generator=generator),
-                         torch.randn(BATCH * steps, 4, generator=generator))
+    data = TensorDataset(*batches(steps))
     clock = Clock()
     strategy = PipelineParallelStrategy(**spec["strategy"])
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
@@ -103,8 +156,11 @@ def main(argv: list[str] | None = None) -> None:
             Path(spec["out"]).write_text(json.dumps(result))
         return
     rows = []
-    for label, strategy in CONFIGS:
-        spec = {"strategy": strategy, "steps": args.steps, "warmup": args.warmup, "us_per_row": args.us_per_row}
+    specs = [(label, {"strategy": strategy}) for label, strategy in CONFIGS]
+    specs += [(label, {"runner": "torch", "schedule": name, "microbatches": m, "split": split})
+              for label, name, m, split in TORCH_CONFIGS]
+    for label, config in specs:
+        spec = {**config, "steps": args.steps, "warmup": args.warmup, "us_per_row": args.us_per_row}
         result = run_workers(__file__, 2, spec, timeout=900)
         rows.append((label, result))
         print(f"{label}: {result['config']}, median step {1e3 * statistics.median(result['steps_s']):.1f} ms",
