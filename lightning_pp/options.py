@@ -271,15 +271,20 @@ class PipelineOptions:
         check(memory is None or auto,
                f"max_memory={memory} only bounds what schedule='auto' chooses, but schedule={self.schedule!r}: pass "
                f"schedule='auto', or leave max_memory out.")
-        if self.schedule == "pipedream_2bw":  # keeping two versions is done for a stage's own, whole weights
-            for what, bad in (("tensor_parallel_size > 1", self.tensor_parallel_size > 1),
-                              ("data_parallel='fsdp'", self.data_parallel == "fsdp"),
-                              ("activation_checkpointing", bool(self.activation_checkpointing))):
-                check(not bad,
-                       f"schedule='pipedream_2bw' with {what}: its backwards may run after an optimizer step, on a "
-                       f"kept copy of a stage's whole, local weights, which sharded weights do not have (and the "
-                       f"strategy's recomputation is not supported with it). Leave "
-                       f"{what.split(' ')[0].split('=')[0]} out, or use a synchronous schedule (schedule='1f1b').")
+        self._check_pipedream()
+
+    def _check_pipedream(self) -> None:
+        """``pipedream_2bw`` keeps a second version of a stage's own, whole weights."""
+        if self.schedule != "pipedream_2bw":
+            return
+        for what, bad in (("tensor_parallel_size > 1", self.tensor_parallel_size > 1),
+                          ("data_parallel='fsdp'", self.data_parallel == "fsdp"),
+                          ("activation_checkpointing", bool(self.activation_checkpointing))):
+            check(not bad,
+                   f"schedule='pipedream_2bw' with {what}: its backwards may run after an optimizer step, on a kept "
+                   f"copy of a stage's whole, local weights, which sharded weights do not have (and the strategy's "
+                   f"recomputation is not supported with it). Leave {what.split(' ')[0].split('=')[0]} out, or use "
+                   f"a synchronous schedule (schedule='1f1b').")
 
     @property
     def blocks_name(self) -> str | None:
