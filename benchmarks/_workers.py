@@ -12,7 +12,47 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["run_workers"]
+__all__ = ["batch_clock", "mse_module", "run_workers"]
+
+
+def mse_module(blocks: Any) -> Any:
+    """A LightningModule training ``blocks`` on ``(x, y)`` batches with an MSE loss and SGD (lr 0.01): the model of the
+    benchmarks whose blocks only sleep."""
+    import lightning as L
+    import torch
+    from torch import nn
+
+    class Blocks(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = blocks
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.mse_loss(self.blocks(x), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    return Blocks()
+
+
+def batch_clock() -> Any:
+    """A Lightning callback reading the clock at every ``on_train_batch_start`` into ``marks``: the benchmarks' window
+    is one batch start to the next (the whole step, Lightning's loop included)."""
+    import time
+
+    import lightning as L
+
+    class Clock(L.Callback):
+        def __init__(self) -> None:
+            self.marks: list[float] = []
+
+        def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
+                                 batch_idx: int) -> None:
+            self.marks.append(time.perf_counter())
+
+    return Clock()
 
 
 def run_workers(script: str, processes: int, spec: dict[str, Any], timeout: float = 3600) -> Any:

@@ -24,7 +24,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from _workers import run_workers
+from _workers import batch_clock, mse_module, run_workers
 
 RESULTS = Path(__file__).resolve().parent / "results" / "autotune.md"
 BLOCKS, SLOWDOWN, BATCH = 8, 8, 32
@@ -97,7 +97,6 @@ def torch_worker(spec: dict[str, Any]) -> dict[str, Any]:
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
     import lightning as L
     import torch
-    from torch import nn
     from torch.utils.data import DataLoader, TensorDataset
 
     from lightning_pp import PipelineParallelStrategy
@@ -105,35 +104,14 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     if spec.get("runner") == "torch":
         return torch_worker(spec)
     torch.set_num_threads(1)
-
-    class SlowFirst(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = blocks(spec["us_per_row"])
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            return nn.functional.mse_loss(self.blocks(x), y)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
-    class Clock(L.Callback):
-        def __init__(self) -> None:
-            self.marks: list[float] = []
-
-        def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                                 batch_idx: int) -> None:
-            self.marks.append(time.perf_counter())
-
     steps = spec["warmup"] + spec["steps"] + 1  # the extra step's start ends the last timed one
     data = TensorDataset(*batches(steps))
-    clock = Clock()
+    clock = batch_clock()
     strategy = PipelineParallelStrategy(**spec["strategy"])
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[clock])
-    trainer.fit(SlowFirst(), DataLoader(data, batch_size=BATCH))
+    trainer.fit(mse_module(blocks(spec["us_per_row"])), DataLoader(data, batch_size=BATCH))
     windows = [b - a for a, b in zip(clock.marks, clock.marks[1:], strict=False)][spec["warmup"]:]
     choice = strategy.telemetry.auto_choice
     options = strategy.options

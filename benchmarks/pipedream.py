@@ -29,11 +29,10 @@ import statistics
 import subprocess
 import sys
 import tempfile
-import time
 from pathlib import Path
 from typing import Any
 
-from _workers import run_workers
+from _workers import batch_clock, mse_module, run_workers
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -54,36 +53,16 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     from models import SleepLayer  # the test suite's: forward and backward each sleep a fixed time
 
     torch.set_num_threads(1)
-
-    class Sleeping(L.LightningModule):
-        def __init__(self) -> None:
-            super().__init__()
-            self.blocks = nn.Sequential(*[SleepLayer(spec["forward_s"], 2 * spec["forward_s"]) for _ in range(2)])
-
-        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-            x, y = batch
-            return nn.functional.mse_loss(self.blocks(x), y)
-
-        def configure_optimizers(self) -> torch.optim.Optimizer:
-            return torch.optim.SGD(self.parameters(), lr=0.01)
-
-    class Clock(L.Callback):
-        def __init__(self) -> None:
-            self.marks: list[float] = []
-
-        def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any,
-                                 batch_idx: int) -> None:
-            self.marks.append(time.perf_counter())
-
     steps = spec["warmup"] + spec["steps"] + 1  # the extra step's start ends the last timed one
     generator = torch.Generator().manual_seed(0)
     data = TensorDataset(torch.randn(BATCH * steps, WIDTH, generator=generator),
                          torch.randn(BATCH * steps, WIDTH, generator=generator))
-    clock, monitor = Clock(), PipelineMonitor(logging_interval=1, timeline_every_n_steps=0)
+    clock, monitor = batch_clock(), PipelineMonitor(logging_interval=1, timeline_every_n_steps=0)
     trainer = L.Trainer(accelerator="cpu", devices=2, max_steps=steps, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[clock, monitor],
                         strategy=PipelineParallelStrategy(schedule=spec["schedule"], microbatches=MICROBATCHES))
-    trainer.fit(Sleeping(), DataLoader(data, batch_size=BATCH))
+    blocks = nn.Sequential(*[SleepLayer(spec["forward_s"], 2 * spec["forward_s"]) for _ in range(2)])
+    trainer.fit(mse_module(blocks), DataLoader(data, batch_size=BATCH))
     if not trainer.is_global_zero:  # the monitor's history is global rank 0's
         return {}
     windows = [b - a for a, b in zip(clock.marks, clock.marks[1:], strict=False)][spec["warmup"]:]
