@@ -102,6 +102,7 @@ class StageRun:
         training: bool,
         params: Callable[[int], list[torch.nn.Parameter]] | None,
         timer: HostClock | None,
+        around: Callable[[Action], AbstractContextManager[Any]] | None = None,
     ) -> None:
         self.forward = forward
         self.p2p = p2p
@@ -116,7 +117,7 @@ class StageRun:
         self.input_grads: dict[_Key, list[torch.Tensor]] = {}  # gradients w.r.t. a stage's inputs, to send upstream
         self.weight_work: dict[_Key, WeightGradients] = {}  # what an I left for its W
         self.stamps: list[_Stamp] = []
-        self.around: Callable[[Action], AbstractContextManager[Any]] | None = None
+        self.around = around  # wraps each compute action (a stream's steps: which weights and gradients it uses)
 
     def go_on(self, carried: StageRun) -> None:
         """Take over what ``carried`` (the previous step's run) left in flight: a schedule whose steps overlap
@@ -124,11 +125,6 @@ class StageRun:
         self.inputs, self.outputs = carried.inputs, carried.outputs
         self.output_grads, self.input_grads, self.weight_work = (carried.output_grads, carried.input_grads,
                                                                  carried.weight_work)
-
-    @property
-    def in_flight(self) -> bool:
-        """Whether micro-batches are left to back up (only a step cut out of a longer stream leaves some)."""
-        return bool(self.outputs or self.output_grads or self.input_grads or self.weight_work)
 
     @property
     def transfers(self) -> StageP2P:
@@ -306,10 +302,9 @@ def run_stage(
     """
     actions = schedule.actions[rank]
     timer = clock if events is not None else None
-    run = StageRun(schedule, rank, forward, p2p, training=training, params=params, timer=timer)
+    run = StageRun(schedule, rank, forward, p2p, training=training, params=params, timer=timer, around=around)
     if carried is not None:
         run.go_on(carried)
-    run.around = around
     if p2p is not None:
         p2p.start_step(actions)
     for action in actions:
