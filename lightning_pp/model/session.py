@@ -200,7 +200,12 @@ class StageSession:
             if self._sigterm is not None:
                 self._sigterm.finish()
                 self._sigterm = None
-            self._undo_sigterm()
+            self._restore_sigterm()
+
+    def _restore_sigterm(self) -> None:
+        """Give Lightning its SIGTERM handling back (once)."""
+        self._undo_sigterm()
+        self._undo_sigterm = lambda: None
 
     def end_loop(self) -> None:
         """At the end of a loop: blocks sharded over the replicas give up the weights their passes gathered."""
@@ -227,7 +232,7 @@ class StageSession:
         """Release the assembly (see :func:`release`), undo the summary's and the logs' patches, give the module its
         ``example_input_array`` back."""
         self.restore_example_input()
-        self._undo_sigterm()
+        self._restore_sigterm()
         release(self.assembly)
         self.recorder.detach()
         if self._undo_summary is not None:
