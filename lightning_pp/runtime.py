@@ -313,4 +313,5 @@ def run_stage(
         run.wait_sends(p2p, actions[-1] if actions else None, this_step=not stream)
     if timer is not None and events is not None:
         run.record_events(timer, events, rank)
+    run.around = None  # what it holds (the step, a version of the weights) is not the next step's
     return run

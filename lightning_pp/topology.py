@@ -147,18 +147,17 @@ def create_groups(layout: PipelineLayout, rank: int, new_group: Callable[[list[i
                   last_position: int = -1) -> StageGroups:
     """Create every group of ``layout`` (``new_group`` is collective: every rank creates all of them, in one order) and
     keep this rank's: ``p2p_groups`` for transfers (see :class:`~lightning_pp.p2p.StageP2P`), one for the lane's
-    results when there are several lanes, one per set of replicas, one per tensor-parallel shard."""
+    results (of the run: a receive a failed run left posted goes with it), one per set of replicas, one per
+    tensor-parallel shard."""
     mine: dict[str, Any] = {"pipeline": None, "p2p": (None,) * p2p_groups, "replicas": None, "shard_peers": None}
     created: list[Any] = []
     if layout.num_stages > 1:
         for lane in range(layout.lanes):
             ranks = layout.pipeline_ranks(lane)
-            groups = [new_group(ranks) for _ in range(p2p_groups + (layout.lanes > 1))]
+            groups = [new_group(ranks) for _ in range(p2p_groups + 1)]
             if rank in ranks:
                 created += groups
-                mine["p2p"] = tuple(groups[:p2p_groups])
-                if layout.lanes > 1:
-                    mine["pipeline"] = groups[-1]
+                mine["p2p"], mine["pipeline"] = tuple(groups[:p2p_groups]), groups[-1]
     if layout.num_replicas > 1 and layout.num_replicas < layout.world_size:
         for first in range(layout.world_size):
             ranks = layout.replica_ranks(first)

@@ -128,6 +128,24 @@ def test_the_kept_version_is_read_back_wherever_the_weights_lie() -> None:
     assert _gradients_across_an_update([w], recomputed) == 0.0
 
 
+def test_a_weight_frozen_since_its_forward_still_gets_its_leftover_gradient() -> None:
+    """Frozen between a batch's forward and its leftover backward (a fine-tuning callback): autograd would skip the
+    gradient; the leftover makes it trainable meanwhile, so the batch's gradient is whole (the rule applies it)."""
+    from lightning_pp.model.delayed import DelayedUpdates, _Version
+
+    x, w = torch.randn(3, 4), torch.nn.Parameter(torch.randn(4, 4))
+    delayed = DelayedUpdates(stream_cuts(2, 2), 0)
+    version = _Version([w])
+    with torch.autograd.graph.saved_tensors_hooks(version.pack, _Version.unpack):
+        out = (x @ w).sum()
+    version.keep()
+    w.requires_grad_(False)
+    with delayed._leftover([], version):
+        out.backward()
+    assert not w.requires_grad and w.grad is None
+    torch.testing.assert_close(delayed.previous[w], x.sum(0)[:, None].expand(4, 4))
+
+
 @pytest.mark.parametrize(("options", "match"), [
     ({"tensor_parallel_size": 2}, "with tensor_parallel_size > 1"),
     ({"data_parallel": "fsdp"}, "with data_parallel='fsdp'"),

@@ -53,7 +53,7 @@ class _Version:
 
     def pack(self, tensor: Tensor) -> Any:
         """What a forward saves: for a parameter or a view of one, where to find it later."""
-        if not tensor.numel():
+        if not tensor.numel() or tensor.is_conj() or tensor.is_neg():  # (a lazy view's bit is not in its storage)
             return tensor
         try:
             ptr = tensor.untyped_storage().data_ptr()
@@ -82,15 +82,17 @@ class _Version:
             yield
             return
         live = [p.data for p in self.params]
-        for p in self.params:
-            ptr = p.untyped_storage().data_ptr()
-            if ptr in self.storages:
-                p.data = self.read(ptr, p.dtype, p.size(), p.stride(), int(p.storage_offset()))
+        torch.clear_autocast_cache()  # its casts are keyed by the parameter, whatever data it holds
         try:
+            for p in self.params:
+                ptr = p.untyped_storage().data_ptr()
+                if ptr in self.storages:
+                    p.data = self.read(ptr, p.dtype, p.size(), p.stride(), int(p.storage_offset()))
             yield
         finally:
             for p, data in zip(self.params, live, strict=True):
                 p.data = data
+            torch.clear_autocast_cache()
 
 
 class DelayedUpdates:
@@ -180,14 +182,19 @@ class DelayedUpdates:
     def _leftover(self, params: list[torch.nn.Parameter], version: _Version | None) -> Iterator[None]:
         """Run a leftover backward of the previous batch into that batch's gradients (also of weights frozen since),
         on the version of the weights its forward used."""
-        weights = list(dict.fromkeys([*params, *self.previous]))
+        frozen = [p for p in version.params if not p.requires_grad] if version is not None else []
+        weights = list(dict.fromkeys([*params, *self.previous, *frozen]))
         current = {p: p.grad for p in weights}
         for p in weights:
             p.grad = self.previous.get(p)
+        for p in frozen:  # trainable when the forward ran: autograd would skip their gradient now
+            p.requires_grad_(True)
         try:
             with version.in_place() if version is not None else nullcontext():
                 yield
         finally:
+            for p in frozen:
+                p.requires_grad_(False)
             for p in weights:
                 self.previous[p], p.grad = p.grad, current[p]
 
@@ -203,9 +210,11 @@ class SigtermAtNextStep:
     """Lightning's per-step agreement on a SIGTERM without its barrier. Lightning broadcasts, at every training step's
     start, whether global rank 0 received SIGTERM, so that every rank stops at the same step; a gloo broadcast waits
     for every rank, so the last stage, which ends a ``pipedream_2bw`` step last, would hold back the first stage's next
-    forward. Here rank 0 sends its word point to point, and every rank acts on the word of the step before: all stop
-    at the same step, one step after the signal (Lightning's handler no longer broadcasts: see
-    :func:`lightning_pp._compat.replace_sigterm_handling`). ``group``: a gloo group of every rank."""
+    forward. Here rank 0 sends its word point to point, and every rank acts on the word of the step before (Lightning's
+    handler no longer broadcasts: see :func:`lightning_pp._compat.replace_sigterm_handling`). A rank that receives the
+    signal still stops at the end of its step, as Lightning stops it; the word stops the others at the next step's
+    start when rank 0 got the signal between two steps, else they end on the failure it reports.
+    ``group``: a gloo group of every rank."""
 
     _TAG = 11
 

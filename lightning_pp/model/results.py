@@ -52,7 +52,7 @@ _MESSAGE_LEN = 3 + _INLINE
 # flags: the records' layout follows (pickled); outputs follow; their structure follows (pickled)
 _LAYOUT, _OUTPUTS, _STRUCTURE, _AGAIN = 1, 2, 4, 8  # _AGAIN: the step runs again, eagerly (see model/eager.py)
 _PLAIN = (type(None), bool, int, float, str)
-_MESSAGE_TAG = 7  # the message's tag on gloo (the pipeline's group carries no other point-to-point messages)
+_MESSAGE_TAG = 7  # the message's tag on gloo (the lane's results group carries no other point-to-point message)
 
 _BATCH_END = {"training_step": "on_train_batch_end", "validation_step": "on_validation_batch_end",
               "test_step": "on_test_batch_end", "predict_step": "on_predict_batch_end"}
