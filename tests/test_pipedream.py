@@ -275,3 +275,26 @@ def test_a_real_sigterm_on_rank_zero_ends_every_rank() -> None:
     assert ended[0]["type"] == "SIGTERMException", ended
     assert ended[1]["type"] in ("SIGTERMException", "PipelineCommError", "PipelineTimeoutError", "RuntimeError"), ended
     assert ended[1]["type"] == "SIGTERMException" or "rank 0" in ended[1]["message"], ended
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_hugging_face_models_train_as_the_rule_says() -> None:
+    """Unmodified Hugging Face GPT-2 (SGD; tied embedding and head on the first and the last stage) and ViT, 2 ranks:
+    the weights as one device applying the rule gives them."""
+    import lightning as L
+    import real_models
+
+    names = ["hf_gpt2_sgd", "hf_vit"]
+    ranks = launch(2, [{"scenario": "train_real", "kwargs": {"model": name, "schedule": "pipedream_2bw",
+                                                             "microbatches": 2}} for name in names], timeout=240)
+    for index, name in enumerate(names):
+        spec = real_models.SPECS[name]
+        L.seed_everything(7, verbose=False)  # as real_models.run seeds
+        module = real_models._build(spec, "auto")
+        L.Trainer(accelerator="cpu", devices=1, max_steps=spec.max_steps, max_epochs=spec.max_epochs, logger=False,
+                  callbacks=[models.DelayedGradients()], enable_checkpointing=False, enable_progress_bar=False,
+                  enable_model_summary=False, num_sanity_val_steps=0, limit_val_batches=0).fit(module)
+        full, _ = assemble(ranks, index)
+        for key, value in module.state_dict().items():
+            torch.testing.assert_close(full[key], value, rtol=1e-5, atol=5e-6, msg=f"{name} {key}")
