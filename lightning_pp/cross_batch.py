@@ -26,7 +26,7 @@ made ``W_{t-1}`` from ``W_{t-2}``, so the stage keeps ``W_{t-2}`` for them: two 
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import cache
 
 from lightning_pp.actions import Action, ActionType, Schedule
@@ -65,25 +65,29 @@ class StreamCuts:
     num_ranks: int
     num_microbatches: int
     lists: dict[str, tuple[tuple[Action, ...], ...]]
+    _built: dict[tuple[str, int], Schedule] = field(default_factory=dict, init=False, compare=False, repr=False)
 
     def for_step(self, cut: str, batch: int) -> Schedule:
         """The lists of ``cut`` (``"first"``, ``"steady"``, ``"drain"``) for the step of batch ``batch`` (for
-        ``"drain"``: the batch whose leftovers it runs)."""
-        m = self.num_microbatches
-        shift = (batch % 2) * m
-
-        def renumber(action: Action) -> Action:
-            return Action(action.stage, action.type, (action.microbatch + shift) % (2 * m))
-
-        actions = tuple(tuple(renumber(a) for a in rank) for rank in self.lists[cut])
-        sent = {(a.peer, a.microbatch, a.type) for rank in actions for a in rank if a.is_send}
-        in_flight = frozenset(a for rank in actions for a in rank if a.is_recv
-                              and (a.stage, a.microbatch, _SEND_OF[a.type]) not in sent)
-        return Schedule(NAME, self.num_ranks, 2 * m, actions, in_flight=in_flight)
+        ``"drain"``: the batch whose leftovers it runs); built once per cut and parity of the batch."""
+        key = (cut, batch % 2)
+        if key not in self._built:
+            actions = tuple(tuple(_shifted(a, key[1] * self.num_microbatches, self.num_microbatches) for a in rank)
+                            for rank in self.lists[cut])
+            sent = {(a.peer, a.microbatch, a.type) for rank in actions for a in rank if a.is_send}
+            in_flight = frozenset(a for rank in actions for a in rank if a.is_recv
+                                  and (a.stage, a.microbatch, _SEND_OF[a.type]) not in sent)
+            self._built[key] = Schedule(NAME, self.num_ranks, 2 * self.num_microbatches, actions, in_flight=in_flight)
+        return self._built[key]
 
     def leftovers(self, rank: int) -> int:
         """How many of a batch's backwards rank ``rank`` runs in the next step (or the drain)."""
         return sum(1 for a in self.lists["drain"][rank] if a.is_compute)
+
+
+def _shifted(action: Action, shift: int, m: int) -> Action:
+    """``action`` with its micro-batch moved by ``shift`` among the two batches' numbers ``0 .. 2m - 1``."""
+    return Action(action.stage, action.type, (action.microbatch + shift) % (2 * m))
 
 
 @cache
@@ -99,8 +103,7 @@ def stream_cuts(num_ranks: int, num_microbatches: int) -> StreamCuts:
         actions = stream.actions[rank]
         starts = [next(i for i, a in enumerate(actions) if a.microbatch == k * m) for k in range(_STREAM_BATCHES)]
         first = actions[starts[0]:starts[1]]
-        steady = tuple(Action(a.stage, a.type, a.microbatch - m) if a.microbatch >= m
-                       else Action(a.stage, a.type, a.microbatch + m) for a in actions[starts[1]:starts[2]])
+        steady = tuple(_shifted(a, m, m) for a in actions[starts[1]:starts[2]])  # its batch's own numbers first
         whole = single.actions[rank]
         if whole[:len(first)] != first:  # the stream's first cut is the start of one drained batch
             raise AssertionError(f"rank {rank}: the stream's first step is not the start of a drained batch")

@@ -30,7 +30,7 @@ from lightning_pp.cross_batch import StreamCuts
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.runtime import StageRun
 
-__all__ = ["DelayedUpdates", "SigtermAtNextStep", "refuse_for_delayed_updates"]
+__all__ = ["DelayedUpdates", "SigtermAtNextStep", "refuse_accumulation", "refuse_for_delayed_updates"]
 
 _Grads = dict[torch.nn.Parameter, Tensor | None]
 
@@ -262,14 +262,20 @@ class SigtermAtNextStep:
             self._await()
 
 
-def refuse_for_delayed_updates(trainer: Any, microbatches: int) -> None:
-    """What ``pipedream_2bw`` cannot run, refused alike on every rank: accumulated batches (its optimizer step applies
-    one batch's gradient, one step late) and a loss scaler (fp16: skipping a step would leave two versions apart)."""
-    if trainer.accumulate_grad_batches != 1:
+def refuse_accumulation(accumulation: int) -> None:
+    """Accumulated batches, refused alike on every rank (at setup, and at each step: a scheduler may raise the
+    count): each optimizer step applies one batch's gradient, one step late."""
+    if accumulation != 1:
         raise PipelineConfigError(
-            f"schedule='pipedream_2bw' with accumulate_grad_batches={trainer.accumulate_grad_batches}: each optimizer "
-            f"step applies one batch's gradient (the previous batch's). Use a larger batch (or more micro-batches, "
-            f"now {microbatches}) instead, or a synchronous schedule (schedule='1f1b').")
+            f"schedule='pipedream_2bw' with accumulate_grad_batches={accumulation}: each optimizer step applies one "
+            f"batch's gradient (the previous batch's). Use larger batches instead, or a synchronous schedule "
+            f"(schedule='1f1b').")
+
+
+def refuse_for_delayed_updates(trainer: Any) -> None:
+    """What ``pipedream_2bw`` cannot run, refused alike on every rank: accumulated batches and a loss scaler (fp16:
+    skipping a step would leave two versions apart)."""
+    refuse_accumulation(trainer.accumulate_grad_batches)
     if str(trainer.precision) in ("16-mixed", "16"):
         raise PipelineConfigError(
             f"schedule='pipedream_2bw' with precision={trainer.precision!r}: a loss scaler skips optimizer steps, "

@@ -101,7 +101,7 @@ class StageSession:
         self._sigterm: SigtermAtNextStep | None = None  # pipedream_2bw: the SIGTERM agreement without a barrier
         self._undo_sigterm: Callable[[], None] = lambda: None
         if pipelined and fitting and options.schedule == "pipedream_2bw":
-            refuse_for_delayed_updates(module.trainer, options.microbatches or microbatches)
+            refuse_for_delayed_updates(module.trainer)
             self.driver.delayed = DelayedUpdates(stream_cuts(layout.num_stages, microbatches), self.stage)
         self.checkpoints = StageCheckpoints(
             module, partition, self._not_on_last_stage, world=layout.world_size, rank=rank, stage=self.stage,

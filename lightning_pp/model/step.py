@@ -28,7 +28,7 @@ from lightning_pp._remote import refuse_reached, refuse_remote
 from lightning_pp.actions import Schedule
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.microbatch import batch_size, merge_microbatches, split_batch
-from lightning_pp.model.delayed import DelayedUpdates
+from lightning_pp.model.delayed import DelayedUpdates, refuse_accumulation
 from lightning_pp.model.results import ResultExchange
 from lightning_pp.model.sides import Sides, joined_sides, with_sides
 from lightning_pp.model.stage import SeveralPasses, StageOutput, StageView
@@ -137,11 +137,8 @@ class StepDriver:
         ``None`` (training: the loss alone)."""
         if step_name in self._several_passes:
             return self._run_eagerly(step_name, args, kwargs)
-        if self.delayed is not None and step_name == "training_step" and accumulation != 1:
-            raise PipelineConfigError(  # (a GradientAccumulationScheduler may raise it during fit)
-                f"schedule='pipedream_2bw' with accumulate_grad_batches={accumulation}: each optimizer step applies "
-                f"one batch's gradient (the previous batch's). Use larger batches instead, or a synchronous schedule "
-                f"(schedule='1f1b').")
+        if self.delayed is not None and step_name == "training_step":
+            refuse_accumulation(accumulation)
         step = _Step(self, step_name, args, kwargs, accumulation=accumulation, scaler=scaler)
         events: list[TimelineEvent] | None = [] if step.training and timing_sink is not None else None
         if self._exchange is not None:
