@@ -13,6 +13,7 @@ from lightning_pp import _compat
 __all__ = [
     "AllocatorPeakMeter",
     "SavedTensorMeter",
+    "optimizer_state_size",
     "parameter_storages",
     "stage_parameter_bytes",
     "step_memory_meter",
@@ -168,10 +169,16 @@ def step_memory_meter(module: nn.Module, device: torch.device,
     return SavedTensorMeter(parameter_storages(module), stage_of)
 
 
-def stage_parameter_bytes(module: nn.Module, blocks: Mapping[int, Iterable[nn.Module]]) -> dict[int, int]:
-    """Bytes of the parameters ``module`` holds now, per stage: ``blocks[s]`` are stage ``s``'s blocks; everything else
-    ``module`` holds (weights outside the blocks) counts on the lowest-numbered stage. A parameter held in several
-    places (tied weights) counts once, on the first stage that holds it."""
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def stage_parameter_bytes(module: nn.Module, blocks: Mapping[int, Iterable[nn.Module]],
+                          size: Callable[[nn.Parameter], int] = _tensor_bytes) -> dict[int, int]:
+    """Bytes of the parameters ``module`` holds now (``size`` of each: by default the parameter's own), per stage:
+    ``blocks[s]`` are stage ``s``'s blocks; everything else ``module`` holds (weights outside the blocks) counts on the
+    lowest-numbered stage. A parameter held in several places (tied weights) counts once, on the first stage that
+    holds it."""
     seen: set[int] = set()
 
     def new_bytes(parameters: Iterable[nn.Parameter]) -> int:
@@ -179,7 +186,7 @@ def stage_parameter_bytes(module: nn.Module, blocks: Mapping[int, Iterable[nn.Mo
         for p in parameters:
             if id(p) not in seen:
                 seen.add(id(p))
-                total += p.numel() * p.element_size()
+                total += size(p)
         return total
 
     per_stage = {stage: new_bytes(p for block in stage_blocks for p in block.parameters())
@@ -187,3 +194,21 @@ def stage_parameter_bytes(module: nn.Module, blocks: Mapping[int, Iterable[nn.Mo
     if per_stage:
         per_stage[min(per_stage)] += new_bytes(module.parameters())
     return per_stage
+
+
+def optimizer_state_size(optimizers: Iterable[torch.optim.Optimizer]) -> Callable[[nn.Parameter], int]:
+    """A parameter's bytes of optimizer state (Adam's two moments and its step count, SGD's momentum), over
+    ``optimizers``, as this rank holds them: for :func:`stage_parameter_bytes`."""
+    held: dict[int, int] = {}
+    for optimizer in optimizers:
+        for p, state in optimizer.state.items():
+            tensors = [t for t in state.values() if isinstance(t, torch.Tensor)]
+            held[id(p)] = held.get(id(p), 0) + sum(_tensor_bytes(_local(t)) for t in tensors)
+    return lambda p: held.get(id(p), 0)
+
+
+def _local(t: torch.Tensor) -> torch.Tensor:
+    """The shard of ``t`` this rank holds (a DTensor's local tensor; else ``t``)."""
+    from torch.distributed.tensor import DTensor
+
+    return t.to_local() if isinstance(t, DTensor) else t

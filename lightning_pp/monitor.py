@@ -19,7 +19,13 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
-from lightning_pp._memory import AllocatorPeakMeter, SavedTensorMeter, stage_parameter_bytes, step_memory_meter
+from lightning_pp._memory import (
+    AllocatorPeakMeter,
+    SavedTensorMeter,
+    optimizer_state_size,
+    stage_parameter_bytes,
+    step_memory_meter,
+)
 from lightning_pp.actions import Action, Schedule
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.simulate import simulate
@@ -58,7 +64,9 @@ class PipelineMonitor(pl.Callback):
 
     Every ``logging_interval`` optimizer steps, each stage times each action of its schedule (timing is off on the
     other steps and costs nothing there), the timings are gathered on global rank 0 and logged through
-    ``trainer.logger``:
+    ``trainer.logger``. The gather is a collective at the measured step's end: every rank waits there for the slowest,
+    which costs ``schedule="pipedream_2bw"`` (whose stream otherwise has no barrier between steps) about one forward's
+    wait in that step, so keep ``logging_interval`` above 1 there (the default 10 costs well under 1 %):
 
     - ``pipeline/stage{s}/forward_ms``, ``backward_ms``: compute time of stage ``s`` in the step;
       ``backward_input_ms`` and ``backward_weight_ms`` too when its schedule splits the backward (I and W actions).
@@ -100,6 +108,9 @@ class PipelineMonitor(pl.Callback):
       blocks' and, on the rank's lowest-numbered stage, the weights outside the blocks that the rank holds (a tied
       weight counts once); with ``schedule="pipedream_2bw"`` also the older version of the weights the stage keeps
       for its backwards left over to the next step.
+    - ``pipeline/stage{s}/optimizer_state_mb``: MiB of the optimizer state of those parameters when the step is
+      logged (after its optimizer step; Adam: two moments and a step count per parameter), the shard this rank
+      holds where the state is sharded.
 
     Every ``timeline_every_n_steps`` steps it also logs the image ``pipeline/timeline`` (measured and predicted
     timelines, stages x time; when the logger can take images) and, with ``trace_dir``, writes a Chrome-trace file
@@ -207,16 +218,18 @@ class PipelineMonitor(pl.Callback):
         meter, self._meter = self._meter, None
         return meter
 
-    def _stage_memory(self, telemetry: PipelineTelemetry, module: pl.LightningModule,
-                      meter: SavedTensorMeter | AllocatorPeakMeter | None) -> dict[int, tuple[int, int]]:
-        """Per stage of this rank: (peak bytes of the step, parameter bytes held now)."""
+    def _stage_memory(self, telemetry: PipelineTelemetry, trainer: pl.Trainer, module: pl.LightningModule,
+                      meter: SavedTensorMeter | AllocatorPeakMeter | None) -> dict[int, tuple[int, int, int]]:
+        """Per stage of this rank: (peak bytes of the step, parameter bytes held now, optimizer state bytes)."""
         view = _stage_view(telemetry)
-        params = stage_parameter_bytes(module, {stage: view.blocks_of(stage) for stage in view.stages})
+        blocks = {stage: view.blocks_of(stage) for stage in view.stages}
+        params = stage_parameter_bytes(module, blocks)
         params[min(view.stages)] += telemetry.kept_weight_bytes  # pipedream_2bw: the older version too
+        state = stage_parameter_bytes(module, blocks, size=optimizer_state_size(trainer.optimizers))
         if isinstance(meter, SavedTensorMeter):
-            return {stage: (meter.stage_peaks.get(stage, 0), params[stage]) for stage in view.stages}
+            return {stage: (meter.stage_peaks.get(stage, 0), params[stage], state[stage]) for stage in view.stages}
         peak = meter.peak if meter is not None else 0  # the allocator's peak is the rank's: every stage reports it
-        return {stage: (peak, params[stage]) for stage in view.stages}
+        return {stage: (peak, params[stage], state[stage]) for stage in view.stages}
 
     def _receive(self, events: list[TimelineEvent], samples: int) -> None:
         self._events = events
@@ -236,7 +249,7 @@ class PipelineMonitor(pl.Callback):
         # the pipeline of lane 0 (the others run the same schedule on other samples or shards)
         rows = ([(e.stage, e.rank, str(e.action), e.category, e.start, e.end) for e in events]
                 if telemetry.lane == 0 else [])
-        own_memory = self._stage_memory(telemetry, pl_module, meter) if telemetry.lane == 0 else {}
+        own_memory = self._stage_memory(telemetry, trainer, pl_module, meter) if telemetry.lane == 0 else {}
         mine = (telemetry.stage, rows, grad_sync_ms, own_memory)  # telemetry.stage: this rank's place in its pipeline
         gathered: list[Any] = [mine]
         if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
@@ -248,7 +261,7 @@ class PipelineMonitor(pl.Callback):
         assert schedule is not None  # set by the timed training step whose events these are
         timeline = Timeline(schedule.num_ranks, stage_to_rank=schedule.stage_to_rank)
         sync_ms: dict[int, float] = {}
-        memory: dict[int, tuple[int, int]] = {}  # stage -> (peak bytes, parameter bytes)
+        memory: dict[int, tuple[int, int, int]] = {}  # stage -> (peak, parameter, optimizer state) bytes
         for rank, (stage, rank_rows, rank_sync_ms, rank_memory) in enumerate(gathered):
             memory.update(rank_memory)
             offset = self._clock_offsets[rank] if rank < len(self._clock_offsets) else 0.0
@@ -335,9 +348,9 @@ def _measured_costs(timeline: Timeline) -> Any:
 
 def stage_metrics(measured: Timeline, predicted: Timeline, samples: int,
                   grad_sync_ms: dict[int, float] | None = None,
-                  memory: dict[int, tuple[int, int]] | None = None) -> dict[str, float]:
+                  memory: dict[int, tuple[int, int, int]] | None = None) -> dict[str, float]:
     """The logged numbers of one measured step (see :class:`PipelineMonitor` for their meaning); ``memory`` maps a
-    stage to its peak bytes in the step and the bytes of its parameters."""
+    stage to its peak bytes in the step, the bytes of its parameters and those of their optimizer state."""
     wall = measured.makespan
     one_per_rank = measured.stage_to_rank == tuple(range(measured.num_ranks))
     split = {kind for kind in (BACKWARD_INPUT, BACKWARD_WEIGHT) if any(e.category == kind for e in measured.events)}
@@ -366,9 +379,10 @@ def stage_metrics(measured: Timeline, predicted: Timeline, samples: int,
             metrics[prefix + "framework_us_per_action"] = 1e6 * idle / max(1, actions)
             metrics[prefix + "bubble_fraction"] = measured.bubble_fraction(stage)
         if memory and stage in memory:
-            peak, params = memory[stage]
+            peak, params, state = memory[stage]
             metrics[prefix + "peak_memory_mb"] = peak / _MIB
             metrics[prefix + "param_memory_mb"] = params / _MIB
+            metrics[prefix + "optimizer_state_mb"] = state / _MIB
     for rank in range(measured.num_ranks):
         metrics[f"pipeline/rank{rank}/bubble_fraction"] = measured.bubble_fraction(rank)
         if grad_sync_ms and rank in grad_sync_ms:
@@ -383,8 +397,8 @@ def stage_metrics(measured: Timeline, predicted: Timeline, samples: int,
 
 def summary_table(history: Sequence[dict[str, float]], stage_to_rank: Sequence[int]) -> str:
     """Per-stage means over the measured steps, as a text table (backward: B, or I + W when split), with the highest
-    peak memory of those steps and the parameters' memory at the last one (MiB). With several stages per rank, idle
-    time belongs to a rank, not a stage (n/a), and the bubble and gradient sync are the rank's."""
+    peak memory of those steps and the parameters' and optimizer state's memory at the last one (MiB). With several
+    stages per rank, idle time belongs to a rank, not a stage (n/a), and the bubble and gradient sync are the rank's."""
 
     def mean(key: str, missing: float = math.nan) -> float:
         return sum(h.get(key, missing) for h in history) / len(history)
@@ -393,7 +407,7 @@ def summary_table(history: Sequence[dict[str, float]], stage_to_rank: Sequence[i
     metered = all("pipeline/stage0/peak_memory_mb" in h for h in history)
     header = f"{'stage':>5} | {'forward ms':>10} | {'backward ms':>11} | {'comm wait ms':>12} | " \
              f"{'transfer ms':>11} | {'idle ms':>8} | {'bubble':>6}" + (f" | {'grad sync ms':>12}" if synced else "") \
-             + (f" | {'peak memory MiB':>15} | {'params MiB':>10}" if metered else "")
+             + (f" | {'peak memory MiB':>15} | {'params MiB':>10} | {'optimizer MiB':>13}" if metered else "")
     lines = [f"PipelineMonitor: mean over {len(history)} measured steps", header, "-" * len(header)]
     for stage, rank in enumerate(stage_to_rank):
         p, r = f"pipeline/stage{stage}/", f"pipeline/rank{rank}/"
@@ -404,7 +418,8 @@ def summary_table(history: Sequence[dict[str, float]], stage_to_rank: Sequence[i
                      f"{idle} | {mean(r + 'bubble_fraction'):>6.3f}"
                      + (f" | {mean(r + 'grad_sync_ms'):>12.2f}" if synced else "")
                      + (f" | {max(h[p + 'peak_memory_mb'] for h in history):>15.3f} | "
-                        f"{history[-1][p + 'param_memory_mb']:>10.3f}" if metered else ""))
+                        f"{history[-1][p + 'param_memory_mb']:>10.3f} | "
+                        f"{history[-1][p + 'optimizer_state_mb']:>13.3f}" if metered else ""))
     lines.append(f"step {mean('pipeline/step_ms'):.2f} ms, {mean('pipeline/samples_per_sec'):.1f} samples/s, "
                  f"bubble {mean('pipeline/bubble_fraction'):.3f} measured vs "
                  f"{mean('pipeline/predicted_bubble_fraction'):.3f} predicted")

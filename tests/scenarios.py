@@ -240,8 +240,11 @@ def monitored(model: str, schedule: str, microbatches: int, log_dir: str | None,
     )
     module = MODELS[model]()
     trainer.fit(module, make_data("tied" if model == "tied" else "mlp", batch_size=8))
+    optimizer = trainer.optimizers[0]
     return {"history": monitor.history,
-            "param_bytes": {name: p.numel() * p.element_size() for name, p in module.named_parameters()}}
+            "param_bytes": {name: p.numel() * p.element_size() for name, p in module.named_parameters()},
+            "optimizer_bytes": {name: sum(t.numel() * t.element_size() for t in optimizer.state[p].values())
+                                for name, p in module.named_parameters() if p in optimizer.state}}
 
 
 def lifecycle(timeout: float = 60, **strategy: Any) -> dict[str, Any]:

@@ -204,6 +204,13 @@ def test_memory_per_stage_is_logged_tabulated_and_follows_the_schedule(tmp_path:
                 blocks = range(stage, stage + 1) if stages == 4 else range(2 * stage, 2 * stage + 2)
                 expected = sum(block_bytes[i] for i in blocks) + (outside if stage == rank else 0)
                 assert h[f"pipeline/stage{stage}/param_memory_mb"] * 2**20 == pytest.approx(expected), (name, stage)
+                # AdamW: two moments of each parameter the stage holds, and a step count each
+                state = ranks[rank].results[index]["optimizer_bytes"]
+                held = {key for key in state if key.startswith(tuple(f"blocks.{i}." for i in blocks))
+                        or (stage == rank and not key.startswith("blocks."))}
+                assert h[f"pipeline/stage{stage}/optimizer_state_mb"] * 2**20 == pytest.approx(
+                    sum(state[key] for key in held)), (name, stage)
+                assert sum(state[key] for key in held) > 2 * expected
                 assert h[f"pipeline/stage{stage}/peak_memory_mb"] > 0, (name, stage)
         assert history[0]["pipeline/stage0/peak_memory_mb"] == history[1]["pipeline/stage0/peak_memory_mb"]
         peaks[name] = [history[-1][f"pipeline/stage{s}/peak_memory_mb"] for s in range(stages)]
@@ -214,7 +221,8 @@ def test_memory_per_stage_is_logged_tabulated_and_follows_the_schedule(tmp_path:
     events = next((tmp_path / "tb").rglob("events.out.tfevents.*"))
     accumulator = EventAccumulator(str(events), size_guidance={"scalars": 0})
     accumulator.Reload()
-    expected_tags = {f"pipeline/stage{s}/{k}" for s in range(2) for k in ("peak_memory_mb", "param_memory_mb")}
+    expected_tags = {f"pipeline/stage{s}/{k}" for s in range(2)
+                     for k in ("peak_memory_mb", "param_memory_mb", "optimizer_state_mb")}
     assert expected_tags <= set(accumulator.Tags()["scalars"])
     assert ranks[0].output.count("peak memory MiB | params MiB") == 3  # the runs without a logger
     assert "peak memory MiB" not in ranks[1].output
