@@ -20,13 +20,17 @@ from lightning_pp._compat import _optimizers_to_device
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.sharding import full_tensors, shard_like
 
-__all__ = ["StageCheckpoints", "indexed_to_named", "load_named", "merge_named", "named_state", "named_to_indexed"]
+__all__ = ["PENDING_GRADIENT_KEY", "StageCheckpoints", "indexed_to_named", "load_named", "merge_named", "named_state",
+           "named_to_indexed"]
 
 # {"groups": [hyper-parameters of each param group], "names": [[parameter names of each group]],
 #  "state": {parameter name: per-parameter state}}
 NamedState = dict[str, Any]
 NAMES_KEY = "lightning_pp_param_names"  # stored beside "state" and "param_groups" in full checkpoints
-_MODEL, _OPTIMIZER = "state_dict", "optimizer_states"  # key prefixes in a sharded (distributed checkpoint) folder
+# schedule="pipedream_2bw": the gradient the next optimizer step applies, by parameter name (a top-level entry)
+PENDING_GRADIENT_KEY = "lightning_pp_pending_gradient"
+# key prefixes in a sharded (distributed checkpoint) folder
+_MODEL, _OPTIMIZER, _PENDING = "state_dict", "optimizer_states", PENDING_GRADIENT_KEY
 
 
 def _to_cpu(value: Any) -> Any:
@@ -208,6 +212,21 @@ class StageCheckpoints:
         parts = self._gather_on_zero(named)
         return named_to_indexed(merge_named(parts, self.partition.full_param_order)) if parts else {}
 
+    def add_pending_gradient(self, checkpoint: dict[str, Any], pending: Mapping[str, torch.Tensor], full: bool) -> None:
+        """Put ``pending`` (pipedream_2bw's gradient not applied yet, by parameter name) into ``checkpoint`` under
+        :data:`PENDING_GRADIENT_KEY`: the whole model's on global rank 0 (``full``: every rank calls this), or this
+        rank's entries, which :meth:`save_sharded` writes. Plain Lightning ignores the key."""
+        owned = self._owned(pending)
+        if not full:
+            checkpoint[PENDING_GRADIENT_KEY] = owned
+            return
+        merged: dict[str, torch.Tensor] = {}
+        for part in self._gather_on_zero(owned):
+            merged.update(part or {})
+        if merged:
+            order = self.partition.full_param_order
+            checkpoint[PENDING_GRADIENT_KEY] = {name: merged[name] for name in sorted(merged, key=order.__getitem__)}
+
     def save_sharded(self, checkpoint: dict[str, Any], folder: str) -> None:
         """Write ``checkpoint`` (its module and optimizer states as :meth:`module_state` and :meth:`optimizer_state`
         give them for ``"sharded"``) with torch's distributed checkpoint, every rank its own shards, nothing gathered:
@@ -229,11 +248,14 @@ class StageCheckpoints:
                             f"format stores tensors and plain values per parameter. Use "
                             f"PipelineParallelStrategy(checkpoint_format='full') with this optimizer.")
                     written[f"{_OPTIMIZER}.{i}.state.{name}.{key}"] = entry
+        for name, value in checkpoint.get(PENDING_GRADIENT_KEY, {}).items():
+            written[f"{_PENDING}.{name}"] = value
         # a copy several ranks hold is written by the lowest (replica 0, as the full format's)
         dcp.save(written, checkpoint_id=folder, planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
                  process_group=self.object_group())
         if self.rank == 0:
-            meta = {k: v for k, v in checkpoint.items() if k not in ("state_dict", "optimizer_states")}
+            meta = {k: v for k, v in checkpoint.items()
+                    if k not in ("state_dict", "optimizer_states", PENDING_GRADIENT_KEY)}
             meta["lightning_pp"] = {"format": "sharded", "num_stages": self.num_stages,
                                     "optimizers": len(checkpoint.get("optimizer_states", []))}
             torch.save(meta, os.path.join(folder, "checkpoint.pt"))
@@ -258,6 +280,8 @@ class StageCheckpoints:
         module_keys = [k for k in local if f"{_MODEL}.{k}" in stored]
         target: dict[str, Any] = {f"{_MODEL}.{k}": local[k] for k in module_keys}
         params = dict(self.module.named_parameters())
+        pending = [name for name in params if f"{_PENDING}.{name}" in stored]
+        target.update({f"{_PENDING}.{name}": torch.zeros_like(params[name]) for name in pending})
         states: list[dict[str, Any]] = []
         for i in range(saved.get("optimizers", 0) if optimizers else 0):
             state: dict[str, dict[str, Any]] = {}
@@ -280,6 +304,8 @@ class StageCheckpoints:
         dcp.load(target, checkpoint_id=folder, planner=DefaultLoadPlanner(allow_partial_load=True),
                  process_group=self.object_group())
         checkpoint["state_dict"] = {k: target[f"{_MODEL}.{k}"] for k in module_keys}  # tensors read in place
+        if pending:
+            checkpoint[PENDING_GRADIENT_KEY] = {name: target[f"{_PENDING}.{name}"] for name in pending}
         order = self.partition.full_param_order
         checkpoint["optimizer_states"] = [
             {**merge_named([dict(zip(("groups", "names"), target[f"{_OPTIMIZER}.{i}.stage{stage}"], strict=True),

@@ -29,7 +29,7 @@ from typing_extensions import override
 from lightning_pp import _compat
 from lightning_pp._allocator import keep_freed_cpu_memory
 from lightning_pp._failures import FailureSignal, naming_failures
-from lightning_pp.checkpoint import StageCheckpoints
+from lightning_pp.checkpoint import PENDING_GRADIENT_KEY, StageCheckpoints
 from lightning_pp.grads import enabled_scaler
 from lightning_pp.model.assembly import (
     assemble_stage,
@@ -374,7 +374,7 @@ class PipelineParallelStrategy(ParallelStrategy):
     @override
     def on_train_end(self) -> None:
         if self._session is not None:
-            self._session.drain(end_of_fit=True)
+            self._session.drain(end_of_fit=self._collective)
 
     @override
     def on_test_start(self) -> None:
@@ -469,6 +469,9 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if self._session is not None and self.options.schedule == "pipedream_2bw":  # drained, with what it holds back
+            self._checkpoints.add_pending_gradient(checkpoint, self._session.pending_gradient(self._collective),
+                                                   full=self.options.checkpoint_format == "full")
         if self.options.checkpoint_format == "full":
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         else:
@@ -483,6 +486,8 @@ class PipelineParallelStrategy(ParallelStrategy):
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         self._checkpoints.load_module_state(checkpoint["state_dict"], strict)
+        if self._session is not None:
+            self._session.restore_pending_gradient(checkpoint.get(PENDING_GRADIENT_KEY, {}))
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:

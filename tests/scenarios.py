@@ -67,6 +67,14 @@ def _train(strategy: Any, model: str, max_steps: int, batch_size: int, trainer: 
 
         dtypes = WeightDtypeRecorder()
         extra["callbacks"] = [*extra.get("callbacks", []), dtypes]
+    checkpoint_dir = extra.pop("checkpoint_every_epoch", None)
+    if checkpoint_dir is not None:  # ModelCheckpoint at every epoch's end, each kept (epoch=E-step=S.ckpt)
+        from lightning.pytorch.callbacks import ModelCheckpoint
+
+        every_epoch = ModelCheckpoint(dirpath=checkpoint_dir, save_top_k=-1, every_n_epochs=1,
+                                      save_on_train_epoch_end=True)
+        extra["callbacks"] = [*extra.get("callbacks", []), every_epoch]
+        extra["enable_checkpointing"] = True
     if fp16_scaler:
         from models import fp16_with_scaler
 

@@ -16,10 +16,11 @@ import models
 import pytest
 import torch
 from _launch import launch
-from support import assemble, assert_matches, check_lifecycle, delayed_reference
+from support import assemble, assert_matches, assert_params_close, check_lifecycle, delayed_reference
 
 from lightning_pp import PipelineConfigError, PipelineParallelStrategy
 from lightning_pp.actions import Action, ActionType
+from lightning_pp.checkpoint import PENDING_GRADIENT_KEY
 from lightning_pp.cross_batch import stream_cuts, stream_schedule
 from lightning_pp.options import PipelineOptions
 from lightning_pp.schedules import validate_schedule
@@ -195,6 +196,42 @@ def test_trains_as_one_device_applying_the_previous_batchs_gradient(tmp_path: Pa
     loaded = models.MLPClassifierSGD.load_from_checkpoint(saved, weights_only=True)
     for name, value in loaded.state_dict().items():
         assert torch.equal(value, assemble(ranks2, 0)[0][name]), name
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_checkpoints_drain_and_hold_the_pending_gradient_so_a_resumed_run_goes_on_as_the_uninterrupted(
+        tmp_path: Path) -> None:
+    """2 ranks, 2 epochs of 4 steps. The MLP with a checkpoint at every epoch's end (ModelCheckpoint; it drains the
+    stream there) trains as the rule says, and resumed from its first epoch's checkpoint it ends where it ended. The
+    tied model (a weight on the first and the last stage) saved after a 1-epoch fit in the sharded format, resumed for
+    the second epoch, ends where the 2-epoch fit ends (both to the last bit; the MLP's resumed on 4 stages within
+    rounding). The full checkpoint still loads in plain Lightning."""
+    every_epoch, sharded = tmp_path / "every_epoch", str(tmp_path / "sharded")
+    first_epoch = str(every_epoch / "epoch=0-step=4.ckpt")
+    runs = [_train("mlp_sgd", 4, max_steps=-1, max_epochs=2, trainer={"checkpoint_every_epoch": str(every_epoch)}),
+            _train("mlp_sgd", 4, max_steps=-1, max_epochs=2, ckpt_path=first_epoch),
+            _train("tied_sgd", 2, max_steps=-1, max_epochs=2),
+            _train("tied_sgd", 2, max_steps=-1, max_epochs=1, save_to=sharded, checkpoint_format="sharded"),
+            _train("tied_sgd", 2, max_steps=-1, max_epochs=2, ckpt_path=sharded, checkpoint_format="sharded")]
+    ranks = launch(2, runs, timeout=300)
+    uninterrupted, history = assemble(ranks, 0)
+    assert_matches(uninterrupted, history, delayed_reference("mlp_sgd", max_steps=-1, max_epochs=2),
+                   "pipedream_2bw with a checkpoint at each epoch's end")
+    for index, label in ((1, "mlp resumed from its first epoch's checkpoint"),
+                         (4, "tied model resumed from a sharded checkpoint saved after fit")):
+        resumed, expected = assemble(ranks, index)[0], assemble(ranks, index - 1 if index == 1 else 2)[0]
+        worst = max((resumed[n] - v).abs().max().item() for n, v in expected.items())
+        print(f"{label}: max |param difference| {worst:.2e}")
+        for name, value in expected.items():
+            torch.testing.assert_close(resumed[name], value, rtol=0, atol=1e-7, msg=f"{label} {name}")
+    # on another layout: 4 stages
+    four = launch(4, [_train("mlp_sgd", 4, max_steps=-1, max_epochs=2, ckpt_path=first_epoch)], timeout=200)
+    assert_params_close(assemble(four, 0)[0], uninterrupted, "2-stage checkpoint resumed on 4 stages")
+    checkpoint = torch.load(first_epoch, weights_only=True)
+    assert sorted(checkpoint[PENDING_GRADIENT_KEY]) == sorted(dict(models.MLPClassifierSGD().named_parameters()))
+    loaded = models.MLPClassifierSGD.load_from_checkpoint(first_epoch, weights_only=True)
+    assert sorted(loaded.state_dict()) == sorted(uninterrupted)
 
 
 @pytest.mark.multiprocess

@@ -109,6 +109,8 @@ class DelayedUpdates:
         self.previous: _Grads = {}  # the previous batch's gradients (its leftovers accumulate into them)
         self.version: _Version | None = None  # the weights the in-flight batch's forwards used
         self.last_schedule: Schedule | None = None
+        # resumed from a checkpoint: the gradient its run had not applied yet, by name, synchronized already
+        self.restored: dict[str, Tensor] = {}
 
     def run_step(self, params: list[torch.nn.Parameter], run: Callable[..., StageRun], microbatches: int,
                  after_forwards: Callable[[], None] | None = None) -> list[tuple[torch.nn.Parameter, Tensor]]:
@@ -174,9 +176,13 @@ class DelayedUpdates:
             for p in shown:
                 p.grad = None
 
-    def drop(self) -> None:
-        """Forget the gradient not yet handed over (the end of fit: no optimizer step follows)."""
-        self.previous = {}
+    def hand_over_restored(self, module: torch.nn.Module) -> None:
+        """At the first optimizer step after resuming: put the checkpoint's gradient in place of what the hand-over
+        synchronized (nothing: the resumed stream has no previous batch), as the uninterrupted run would apply it."""
+        for name, p in module.named_parameters():
+            if name in self.restored and p.requires_grad:
+                p.grad = self.restored[name].to(device=p.device, dtype=p.dtype)
+        self.restored = {}
 
     @contextmanager
     def _leftover(self, params: list[torch.nn.Parameter], version: _Version | None) -> Iterator[None]:

@@ -99,6 +99,7 @@ class StageSession:
                                  options.microbatch_weight, groups if pipelined else None, position=self.stage,
                                  outside=lambda: partition.shared_tensors(module)[0])
         self._sigterm: SigtermAtNextStep | None = None  # pipedream_2bw: the SIGTERM agreement without a barrier
+        self._unapplied: dict[str, torch.Tensor] = {}  # pipedream_2bw: the gradient fit ended without applying
         self._undo_sigterm: Callable[[], None] = lambda: None
         if pipelined and fitting and options.schedule == "pipedream_2bw":
             refuse_for_delayed_updates(module.trainer)
@@ -183,6 +184,8 @@ class StageSession:
         with collective("the gradient all-reduce (replicas' average, weights several stages hold)"):
             params = [p for p in self.module.parameters() if p.requires_grad]
             sync_ms = assembly.grads.synchronize(params, timed)
+        if self.driver.delayed is not None and self.driver.delayed.restored:
+            self.driver.delayed.hand_over_restored(self.module)
         if assembly.to_shard is not None:
             with collective("sharding the weights outside the blocks over the replicas (FSDP2)"):
                 shard_outside_weights(assembly, optimizers)
@@ -190,17 +193,49 @@ class StageSession:
         if timed:  # for PipelineMonitor
             self.telemetry.last_grad_sync_ms = sync_ms
 
-    def drain(self, end_of_fit: bool = False) -> None:
+    def drain(self, end_of_fit: Collective | None = None) -> None:
         """``pipedream_2bw``: back up what the stream left in flight (before validation, whose passes then have
-        the transfers to themselves; at the end of fit, where the last batch's gradient is then dropped)."""
+        the transfers to themselves; at the end of fit, given its ``collective``, where the stream ends and the last
+        batch's gradient, not applied, is kept for a checkpoint saved after fit)."""
         self.driver.drain()
         self.telemetry.kept_weight_bytes = 0
-        if end_of_fit and self.driver.delayed is not None:
-            self.driver.delayed.drop()
+        if end_of_fit is not None and self.driver.delayed is not None:
+            self._unapplied = self.pending_gradient(end_of_fit)
+            self.driver.delayed = None
             if self._sigterm is not None:
                 self._sigterm.finish()
                 self._sigterm = None
             self._restore_sigterm()
+
+    def pending_gradient(self, collective: Collective) -> dict[str, torch.Tensor]:
+        """``pipedream_2bw``: the gradient the next optimizer step applies, by parameter name, synchronized as the
+        hand-over will synchronize it (every rank calls this at once: it drains the stream first); after fit, the one
+        fit left unapplied. For a checkpoint, so that a run resumed from it goes on as the uninterrupted run."""
+        delayed = self.driver.delayed
+        if delayed is None:
+            return self._unapplied
+        if delayed.restored:  # resumed, no step since
+            return dict(delayed.restored)
+        self.drain()
+        params = [p for p in self.module.parameters() if p.requires_grad]
+        live = {p: p.grad for p in params}
+        for p in params:
+            pending = delayed.previous.get(p)
+            p.grad = pending.clone() if pending is not None else None
+        try:
+            with collective("synchronizing pipedream_2bw's pending gradient for a checkpoint"):
+                self.assembly.grads.synchronize(params)
+            name_of = {id(p): name for name, p in self.module.named_parameters()}
+            return {name_of[id(p)]: p.grad.detach().cpu() for p in params if p.grad is not None}
+        finally:
+            for p in params:
+                p.grad = live[p]
+
+    def restore_pending_gradient(self, saved: dict[str, torch.Tensor]) -> None:
+        """``pipedream_2bw``: a checkpoint's pending gradient, for the first optimizer step (other schedules ignore
+        it: they have no gradient pending between steps)."""
+        if self.driver.delayed is not None:
+            self.driver.delayed.restored = dict(saved)
 
     def _restore_sigterm(self) -> None:
         """Give Lightning its SIGTERM handling back (once)."""
