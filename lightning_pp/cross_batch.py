@@ -13,7 +13,8 @@ last ``p - s - 1`` backwards of batch ``t - 1``, which the previous step left in
 
 - ``first``: the step after a drain (or the first step): batch ``t``'s part, nothing of an earlier batch;
 - ``steady``: batch ``t - 1``'s leftovers interleaved with batch ``t``'s part (every later step);
-- ``drain``: batch ``t``'s leftovers alone, run outside a step (before validation, at the end of fit).
+- ``drain``: batch ``t``'s leftovers alone, run outside a step (before validation, at a checkpoint, at the end of
+  fit).
 
 In the lists a micro-batch's number is ``(t mod 2) * m + i`` for micro-batch ``i`` of batch ``t``: the two batches in
 flight never share a number, and each number's channel carries tensors of the same layout every other step.
@@ -22,6 +23,13 @@ Which weights each pass uses (2BW's rule, with ``W_{-1} = W_0``): batch ``t``'s 
 ``W_{t-1}``, and the optimizer step that ends Lightning's step ``t`` applies batch ``t - 1``'s gradient:
 ``W_t = W_{t-1} - lr * grad f_{t-1}(W_{t-2})``. A stage's leftover backwards of batch ``t - 1`` run after that step
 made ``W_{t-1}`` from ``W_{t-2}``, so the stage keeps ``W_{t-2}`` for them: two versions of its weights.
+
+What Lightning sees: the optimizer and the LR scheduler step at every step, as Lightning calls them (the first step
+applies no gradient: the optimizer's state does not move, the scheduler counts the step); step ``t`` returns and
+logs batch ``t``'s loss and ``self.log`` values, computed at ``W_{t-1}``. An epoch's end does not drain. Validation,
+a checkpoint and the end of fit do: the live weights are ``W_t`` (what validation evaluates and a checkpoint holds)
+and batch ``t``'s gradient stays pending for the next step; a checkpoint holds it too (synchronized, by name), so a
+run resumed from it applies it at its first step and goes on as the uninterrupted run.
 """
 
 from __future__ import annotations

@@ -63,11 +63,11 @@ class PipelineOptions:
     V), ``"dualpipev"`` (DeepSeek's DualPipe in its V form: the V of ``"zbv"``, a forward of one stage paired with a
     backward of the other; at least 2 micro-batches per rank), ``"pipedream_2bw"`` (asynchronous, opt-in:
     PipeDream-2BW's 1F1B that never drains between batches, each optimizer step applying the previous batch's
-    gradient, so training is not one device's; see :mod:`lightning_pp.cross_batch`), the path of a ``.csv`` file
-    with one row of compute actions per rank in torch.distributed.pipelining's format (it fixes the micro-batch count),
-    or ``"auto"``: at the start of ``fit``, global rank 0 times the blocks on the first batch and the simulator picks
-    the schedule, ``microbatches``, ``stages_per_rank``, ``balance`` and activation checkpointing it predicts fastest
-    within ``max_memory`` (what the user passes of those is kept; see :mod:`lightning_pp.tuning`)."""
+    gradient, so training is not one device's; the semantics in :mod:`lightning_pp.cross_batch`), the path of a
+    ``.csv`` file with one row of compute actions per rank in torch.distributed.pipelining's format (it fixes the
+    micro-batch count), or ``"auto"``: at the start of ``fit``, global rank 0 times the blocks on the first batch and
+    the simulator picks the schedule, ``microbatches``, ``stages_per_rank``, ``balance`` and activation checkpointing
+    it predicts fastest within ``max_memory`` (what the user passes of those is kept; :mod:`lightning_pp.tuning`)."""
     pipeline_parallel_size: int | None = None
     """Ranks per pipeline; the world size must be a multiple of it. ``None``: the world size (one pipeline, no data
     parallelism)."""
