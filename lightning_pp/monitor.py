@@ -41,8 +41,11 @@ from lightning_pp.timeline import (
     Timeline,
     TimelineEvent,
 )
+from lightning_pp.topology import receive_object, send_object
 
 __all__ = ["PipelineMonitor", "draw_timelines", "to_chrome_trace"]
+
+_ROWS_TAG = 12  # a timed step's rows, sent to global rank 0 (on the object group)
 
 _COLOURS = {FORWARD: "#4c72b0", BACKWARD: "#dd8452", BACKWARD_INPUT: "#c44e52", BACKWARD_WEIGHT: "#8172b3",
             COMM_WAIT: "#c8c8c8", COMM_TRANSFER: "#55a868"}
@@ -63,10 +66,11 @@ class PipelineMonitor(pl.Callback):
     """Measure every action of the pipeline schedule and report where each stage's time went.
 
     Every ``logging_interval`` optimizer steps, each stage times each action of its schedule (timing is off on the
-    other steps and costs nothing there), the timings are gathered on global rank 0 and logged through
-    ``trainer.logger``. The gather is a collective at the measured step's end: every rank waits there for the slowest,
-    which costs ``schedule="pipedream_2bw"`` (whose stream otherwise has no barrier between steps) about one forward's
-    wait in that step, so keep ``logging_interval`` above 1 there (the default 10 costs well under 1 %):
+    other steps and costs nothing there), the timings travel to global rank 0 and are logged through
+    ``trainer.logger``, under the measured step's number. They travel point to point, without a barrier (no rank
+    waits for another's step to end, which ``schedule="pipedream_2bw"``, whose steps end at different times on each
+    rank, would pay for): each rank sends its rows when its measured step ends, and rank 0 logs them when its next
+    batch ends (or at the end of training):
 
     - ``pipeline/stage{s}/forward_ms``, ``backward_ms``: compute time of stage ``s`` in the step;
       ``backward_input_ms`` and ``backward_weight_ms`` too when its schedule splits the backward (I and W actions).
@@ -174,6 +178,9 @@ class PipelineMonitor(pl.Callback):
         self._meter: SavedTensorMeter | AllocatorPeakMeter | None = None  # the measured step's memory meter
         self._metering = ExitStack()  # holds the meter's measurement open from batch start to batch end
         self.history: list[dict[str, float]] = []  # the metrics of every measured step (on global rank 0)
+        # global rank 0: the latest timed step, until every rank's rows of it have arrived (see _log's arguments)
+        self._unlogged: tuple[int, Any, int, Schedule, PipelineTelemetry] | None = None
+        self._sends: list[tuple[dist.Work, torch.Tensor]] = []  # the other ranks: their rows on the way
 
     @staticmethod
     def _telemetry(trainer: pl.Trainer) -> PipelineTelemetry:
@@ -189,7 +196,8 @@ class PipelineMonitor(pl.Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         telemetry = self._telemetry(trainer)
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        self._unlogged, self._sends = None, []
+        if _distributed():
             dist.barrier(group=telemetry.object_group)
             now = time.perf_counter()
             clocks: list[Any] = [None] * dist.get_world_size()
@@ -241,6 +249,10 @@ class PipelineMonitor(pl.Callback):
         telemetry = self._telemetry(trainer)
         telemetry.timing_sink = None
         meter = self._stop_meter()
+        if self._unlogged is not None:  # global rank 0: the previous timed step's rows have arrived by now
+            self._log(trainer, *self._unlogged)
+            self._unlogged = None
+        self._sends = [(work, buffer) for work, buffer in self._sends if not work.is_completed()]
         if self._events is None:
             return
         events, self._events = self._events, None
@@ -251,14 +263,21 @@ class PipelineMonitor(pl.Callback):
                 if telemetry.lane == 0 else [])
         own_memory = self._stage_memory(telemetry, trainer, pl_module, meter) if telemetry.lane == 0 else {}
         mine = (telemetry.stage, rows, grad_sync_ms, own_memory)  # telemetry.stage: this rank's place in its pipeline
-        gathered: list[Any] = [mine]
-        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
-            gathered = [None] * dist.get_world_size() if trainer.is_global_zero else []
-            dist.gather_object(mine, gathered if trainer.is_global_zero else None, dst=0, group=telemetry.object_group)
-        if not trainer.is_global_zero:
-            return
         schedule = telemetry.last_schedule
         assert schedule is not None  # set by the timed training step whose events these are
+        unlogged = (step, mine, self._samples, schedule, telemetry)
+        if not _distributed():
+            self._log(trainer, *unlogged)
+        elif trainer.is_global_zero:
+            self._unlogged = unlogged  # logged at the next batch's end, when every rank's rows are there
+        else:
+            self._sends += send_object(mine, 0, telemetry.object_group, _ROWS_TAG)
+
+    def _log(self, trainer: pl.Trainer, step: int, mine: Any, samples: int, schedule: Schedule,
+             telemetry: PipelineTelemetry) -> None:
+        """Global rank 0: log a timed step from every rank's rows (``mine``: its own; the others' are received)."""
+        gathered = [mine] + [receive_object(rank, telemetry.object_group, _ROWS_TAG)
+                             for rank in range(1, dist.get_world_size() if _distributed() else 1)]
         timeline = Timeline(schedule.num_ranks, stage_to_rank=schedule.stage_to_rank)
         sync_ms: dict[int, float] = {}
         memory: dict[int, tuple[int, int, int]] = {}  # stage -> (peak, parameter, optimizer state) bytes
@@ -270,7 +289,7 @@ class PipelineMonitor(pl.Callback):
             if rank_sync_ms is not None:  # the slowest replica of the pipeline rank
                 sync_ms[stage] = max(sync_ms.get(stage, 0.0), rank_sync_ms)
         predicted = simulate(schedule, _measured_costs(timeline))
-        metrics = stage_metrics(timeline, predicted, self._samples, sync_ms, memory)
+        metrics = stage_metrics(timeline, predicted, samples, sync_ms, memory)
         if telemetry.auto_choice is not None:  # what schedule='auto' predicted before the first step, for comparison
             metrics["pipeline/auto_predicted_step_ms"] = 1e3 * telemetry.auto_choice.step_s
         self.history.append({"step": float(step), **metrics})
@@ -305,13 +324,24 @@ class PipelineMonitor(pl.Callback):
     @override
     def on_exception(self, trainer: pl.Trainer, pl_module: pl.LightningModule, exception: BaseException) -> None:
         self._stop_meter()
+        self._unlogged, self._sends = None, []
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if self._unlogged is not None:
+            self._log(trainer, *self._unlogged)
+            self._unlogged = None
+        for work, _ in self._sends:
+            work.wait()
+        self._sends = []
         if trainer.is_global_zero and not trainer.loggers and self.history:
             schedule = self._telemetry(trainer).last_schedule
             assert schedule is not None  # there is history: a measured training step ran
             print(summary_table(self.history, schedule.stage_to_rank))
+
+
+def _distributed() -> bool:
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
 def _clock_source() -> str:

@@ -5,18 +5,20 @@ from __future__ import annotations
 
 import atexit
 import logging
+import pickle
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from datetime import timedelta
 from typing import Any
 
+import torch
 import torch.distributed as dist
 
 from lightning_pp import _compat
 from lightning_pp._nccl_emulation import ENV_VAR, emulating_nccl
 
 __all__ = ["MESH_DIMS", "PipelineLayout", "StageGroups", "broadcast_object", "create_device_mesh", "create_groups",
-           "create_sharing_groups", "gather_reports", "start_process_group"]
+           "create_sharing_groups", "gather_reports", "receive_object", "send_object", "start_process_group"]
 
 MESH_DIMS = ("pipeline_parallel", "data_parallel", "tensor_parallel")
 
@@ -224,6 +226,24 @@ def start_process_group(cluster_environment: Any, backend: str, timeout: timedel
     if world_size > 1 and (backend != "gloo" or emulating_nccl()):
         return dist.new_group(backend="gloo", timeout=timeout)
     return None
+
+
+def send_object(obj: Any, dst: int, group: Any, tag: int) -> list[tuple[dist.Work, torch.Tensor]]:
+    """Send ``obj`` to global rank ``dst`` point to point without waiting: its pickle's size, then the pickle, which
+    :func:`receive_object` reads. Returns each send's work with its buffer: keep both until the work completes."""
+    payload = torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
+    size = torch.tensor([payload.numel()], dtype=torch.int64, device="cpu")
+    return [(work, buffer) for buffer in (size, payload)
+            if (work := dist.isend(buffer, dst, group=group, tag=tag)) is not None]
+
+
+def receive_object(src: int, group: Any, tag: int) -> Any:
+    """What :func:`send_object` sent from global rank ``src`` with ``tag`` (waits for it)."""
+    size = torch.zeros(1, dtype=torch.int64, device="cpu")
+    dist.recv(size, src, group=group, tag=tag)
+    payload = torch.empty(int(size.item()), dtype=torch.uint8, device="cpu")
+    dist.recv(payload, src, group=group, tag=tag)
+    return pickle.loads(payload.numpy().tobytes())
 
 
 def broadcast_object(obj: Any, src: int, group: Any) -> Any:
