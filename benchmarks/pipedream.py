@@ -132,7 +132,7 @@ def rule_losses(recipe: dict[str, Any], delayed: bool, steps: int) -> list[float
     from torch import nn
     from torch.utils.data import DataLoader
 
-    sys.path[:0] = [str(ROOT / "examples"), str(ROOT / "tests")]
+    sys.path[:0] = [path for path in (str(ROOT / "examples"), str(ROOT / "tests")) if path not in sys.path]
     import train_gpt
     from models import DelayedGradients
 

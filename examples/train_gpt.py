@@ -100,6 +100,12 @@ class MuonWithAdamW(torch.optim.Optimizer):
         for part in self.parts:
             part.state = self.state
 
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        if hasattr(self, "parts") and self.param_groups:  # Optimizer.__init__ adds the first group itself
+            raise ValueError("MuonWithAdamW takes its parameters when it is built (no part would step a group added "
+                             "later, as BaseFinetuning's unfreeze_and_add_param_group adds); build it anew instead.")
+        super().add_param_group(param_group)
+
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         super().load_state_dict(state_dict)  # new group dicts and state: hand them to the parts
         for part, group in zip(self.parts, self.param_groups, strict=True):
@@ -199,6 +205,8 @@ def main() -> None:
     parser.add_argument("--sample-every", type=int, default=50,
                         help="print a greedy sample every N steps (0: never); every rank runs its blocks for it")
     args = parser.parse_args()
+    if args.optimizer == "muon" and not hasattr(torch.optim, "Muon"):
+        parser.error(f"--optimizer muon needs torch.optim.Muon (torch 2.9 or later); this is torch {torch.__version__}")
 
     torch.set_num_threads(1)  # one core per process: the two stages run side by side on a 2-core machine
     L.seed_everything(0, verbose=False)

@@ -7,6 +7,7 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor
 
 from lightning_pp import _compat
 
@@ -209,6 +210,4 @@ def optimizer_state_size(optimizers: Iterable[torch.optim.Optimizer]) -> Callabl
 
 def _local(t: torch.Tensor) -> torch.Tensor:
     """The shard of ``t`` this rank holds (a DTensor's local tensor; else ``t``)."""
-    from torch.distributed.tensor import DTensor
-
     return t.to_local() if isinstance(t, DTensor) else t

@@ -29,8 +29,7 @@ NamedState = dict[str, Any]
 NAMES_KEY = "lightning_pp_param_names"  # stored beside "state" and "param_groups" in full checkpoints
 # schedule="pipedream_2bw": the gradient the next optimizer step applies, by parameter name (a top-level entry)
 PENDING_GRADIENT_KEY = "lightning_pp_pending_gradient"
-# key prefixes in a sharded (distributed checkpoint) folder
-_MODEL, _OPTIMIZER, _PENDING = "state_dict", "optimizer_states", PENDING_GRADIENT_KEY
+_MODEL, _OPTIMIZER = "state_dict", "optimizer_states"  # key prefixes in a sharded (distributed checkpoint) folder
 
 
 def _to_cpu(value: Any) -> Any:
@@ -213,15 +212,17 @@ class StageCheckpoints:
         return named_to_indexed(merge_named(parts, self.partition.full_param_order)) if parts else {}
 
     def add_pending_gradient(self, checkpoint: dict[str, Any], pending: Mapping[str, torch.Tensor], full: bool) -> None:
-        """Put ``pending`` (pipedream_2bw's gradient not applied yet, by parameter name) into ``checkpoint`` under
-        :data:`PENDING_GRADIENT_KEY`: the whole model's on global rank 0 (``full``: every rank calls this), or this
-        rank's entries, which :meth:`save_sharded` writes. Plain Lightning ignores the key."""
-        owned = self._owned(pending)
+        """Put ``pending`` (pipedream_2bw's gradient not applied yet, by parameter name, as this rank holds it) into
+        ``checkpoint`` under :data:`PENDING_GRADIENT_KEY`: the whole model's on global rank 0 (``full``: every rank
+        calls this), or this rank's entries, which :meth:`save_sharded` writes. A weight several ranks hold has the
+        same (synchronized) entry on each, so any of them will do: not the module's state entries' owners, since
+        where the weights outside the blocks are held can change after the fit that computed ``pending``. Plain
+        Lightning ignores the key."""
         if not full:
-            checkpoint[PENDING_GRADIENT_KEY] = owned
+            checkpoint[PENDING_GRADIENT_KEY] = dict(pending)
             return
         merged: dict[str, torch.Tensor] = {}
-        for part in self._gather_on_zero(owned):
+        for part in self._gather_on_zero(dict(pending)):
             merged.update(part or {})
         if merged:
             order = self.partition.full_param_order
@@ -249,7 +250,7 @@ class StageCheckpoints:
                             f"PipelineParallelStrategy(checkpoint_format='full') with this optimizer.")
                     written[f"{_OPTIMIZER}.{i}.state.{name}.{key}"] = entry
         for name, value in checkpoint.get(PENDING_GRADIENT_KEY, {}).items():
-            written[f"{_PENDING}.{name}"] = value
+            written[f"{PENDING_GRADIENT_KEY}.{name}"] = value
         # a copy several ranks hold is written by the lowest (replica 0, as the full format's)
         dcp.save(written, checkpoint_id=folder, planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
                  process_group=self.object_group())
@@ -280,8 +281,8 @@ class StageCheckpoints:
         module_keys = [k for k in local if f"{_MODEL}.{k}" in stored]
         target: dict[str, Any] = {f"{_MODEL}.{k}": local[k] for k in module_keys}
         params = dict(self.module.named_parameters())
-        pending = [name for name in params if f"{_PENDING}.{name}" in stored]
-        target.update({f"{_PENDING}.{name}": torch.zeros_like(params[name]) for name in pending})
+        pending = [name for name in params if f"{PENDING_GRADIENT_KEY}.{name}" in stored]
+        target.update({f"{PENDING_GRADIENT_KEY}.{name}": torch.zeros_like(params[name]) for name in pending})
         states: list[dict[str, Any]] = []
         for i in range(saved.get("optimizers", 0) if optimizers else 0):
             state: dict[str, dict[str, Any]] = {}
@@ -305,7 +306,7 @@ class StageCheckpoints:
                  process_group=self.object_group())
         checkpoint["state_dict"] = {k: target[f"{_MODEL}.{k}"] for k in module_keys}  # tensors read in place
         if pending:
-            checkpoint[PENDING_GRADIENT_KEY] = {name: target[f"{_PENDING}.{name}"] for name in pending}
+            checkpoint[PENDING_GRADIENT_KEY] = {name: target[f"{PENDING_GRADIENT_KEY}.{name}"] for name in pending}
         order = self.partition.full_param_order
         checkpoint["optimizer_states"] = [
             {**merge_named([dict(zip(("groups", "names"), target[f"{_OPTIMIZER}.{i}.stage{stage}"], strict=True),

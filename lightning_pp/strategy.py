@@ -116,6 +116,8 @@ class PipelineParallelStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend  # chosen from the device in setup_environment if None
         self._num_nodes = 1
         self._session: StageSession | None = None  # this rank's stage during a Trainer run, from setup to teardown
+        # pipedream_2bw: the gradient the latest fit left unapplied (by name), for checkpoints saved after it
+        self._unapplied_gradient: dict[str, torch.Tensor] = {}
         # a gloo group over the world for object collectives where the default group is not gloo (None: the default)
         self.object_group: Any = None
         self._accumulating = False  # inside Lightning's block_backward_sync: gradients not synchronized yet
@@ -232,6 +234,8 @@ class PipelineParallelStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         module = self.lightning_module
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            self._unapplied_gradient = {}  # a new stream (a resumed one gets its checkpoint's)
         refuse_unsupported(module, fitting, self.options.tensor_parallel_size)
         if self.options.schedule == "auto":  # made concrete once, at the first run's start (fit's, to measure)
             self.options, self.telemetry.auto_choice = choose_configuration(
@@ -374,7 +378,7 @@ class PipelineParallelStrategy(ParallelStrategy):
     @override
     def on_train_end(self) -> None:
         if self._session is not None:
-            self._session.drain(end_of_fit=self._collective)
+            self._unapplied_gradient = self._session.end_fit(self._collective)
 
     @override
     def on_test_start(self) -> None:
@@ -469,8 +473,9 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
-        if self._session is not None and self.options.schedule == "pipedream_2bw":  # drained, with what it holds back
-            self._checkpoints.add_pending_gradient(checkpoint, self._session.pending_gradient(self._collective),
+        if self.options.schedule == "pipedream_2bw" and "optimizer_states" in checkpoint:  # not weights only
+            pending = self._session.pending_gradient(self._collective) if self._session is not None else None
+            self._checkpoints.add_pending_gradient(checkpoint, self._unapplied_gradient if pending is None else pending,
                                                    full=self.options.checkpoint_format == "full")
         if self.options.checkpoint_format == "full":
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)

@@ -473,6 +473,7 @@ def fit(model_name: str, strategy: Any = "auto", devices: int = 1, max_steps: in
     single-device reference and each pipelined rank."""
     L.seed_everything(seed, verbose=False)
     meta = trainer_kwargs.pop("meta", False)  # build under trainer.init_module(empty_init=True)
+    validate_before_saving = trainer_kwargs.pop("validate_before_saving", False)  # a validate run between
     model = None if meta else MODELS[model_name]()
     logger = RecordingLogger()
     trainer = L.Trainer(
@@ -485,6 +486,8 @@ def fit(model_name: str, strategy: Any = "auto", devices: int = 1, max_steps: in
             model = MODELS[model_name]()
     data = None if model_name in OWN_TRAIN_DATA else make_data(model_name, batch_size=batch_size)
     trainer.fit(model, data, ckpt_path=ckpt_path)
+    if validate_before_saving:
+        trainer.validate(model, data, verbose=False)
     if save_to is not None:
         trainer.save_checkpoint(save_to)
     return model, logger
@@ -791,6 +794,27 @@ class MLPClassifierSGD(MLPClassifier):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class FreezingMLPSGD(MLPClassifierSGD):
+    """`MLPClassifierSGD` that freezes its first layer and its head once step 3 has run, before its batch-end hooks
+    and checkpoints (``BackboneFinetuning``'s pattern, reversed; also when a run resumes after step 3): under
+    ``pipedream_2bw`` the next step still applies batch 3's gradient to them."""
+
+    def _freeze_after_step_3(self) -> None:
+        if self.global_step >= 4:
+            for module in (self.layers[0], self.head):
+                module.requires_grad_(False)
+
+    def on_train_start(self) -> None:
+        self._freeze_after_step_3()
+
+    def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
+        self._freeze_after_step_3()
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y))
+
+
 class TiedClassifierSGD(L.LightningModule):
     """The SGD counterpart of `TiedLM` (on the MLP's data): the head reuses the input projection's weight, so stage 0
     and the last stage share a weight; SGD keeps the parameters comparable element-wise (see `MLPClassifierSGD`)."""
@@ -839,6 +863,7 @@ class TiedModulesSGD(TiedClassifierSGD):
 
 
 MODELS["mlp_sgd"] = MLPClassifierSGD
+MODELS["freezing_mlp_sgd"] = FreezingMLPSGD
 MODELS["weight_versions"] = WeightVersions
 MODELS["example_input"] = WithExampleInput
 MODELS["tied_sgd"] = TiedClassifierSGD

@@ -184,15 +184,18 @@ def test_trains_as_one_device_applying_the_previous_batchs_gradient(tmp_path: Pa
     runs2 = [_train("mlp_sgd", 4, max_steps=6, save_to=saved), _train("tied_sgd", 2, max_steps=5)]
     # 4 ranks: one pipeline of 4; two replicas of a 2-stage pipeline (each averages its handed gradient with the
     # other's, as every schedule does: the replicas stay equal)
-    runs4 = [_train("mlp_sgd", 4, max_steps=6), _train("mlp_sgd", 4, max_steps=4, pipeline_parallel_size=2)]
+    runs4 = [_train("mlp_sgd", 4, max_steps=6), _train("mlp_sgd", 4, max_steps=4, pipeline_parallel_size=2),
+             # weights frozen after step 3: step 4 still applies batch 3's gradient to them, averaged over the replicas
+             _train("freezing_mlp_sgd", 4, max_steps=6, pipeline_parallel_size=2)]
     ranks2, ranks4 = launch(2, runs2, timeout=200), launch(4, runs4, timeout=200)
     for ranks, index, run in ((ranks2, 0, runs2[0]), (ranks2, 1, runs2[1]), (ranks4, 0, runs4[0])):
         kwargs = run["kwargs"]
         expected = delayed_reference(kwargs["model"], max_steps=kwargs["max_steps"])
         full, history = assemble(ranks, index)
         assert_matches(full, history, expected, f"pipedream_2bw {len(ranks)} ranks {kwargs}")
-    full, history = assemble(ranks4, 1)  # every weight equal on the ranks holding it (both replicas)
-    assert len(history) == 4 and all(torch.isfinite(value).all() for value in full.values())
+    for index, steps in ((1, 4), (2, 6)):  # every weight equal on the ranks holding it (both replicas)
+        full, history = assemble(ranks4, index)
+        assert len(history) == steps and all(torch.isfinite(value).all() for value in full.values())
     loaded = models.MLPClassifierSGD.load_from_checkpoint(saved, weights_only=True)
     for name, value in loaded.state_dict().items():
         assert torch.equal(value, assemble(ranks2, 0)[0][name]), name
@@ -209,8 +212,18 @@ def test_checkpoints_drain_and_hold_the_pending_gradient_so_a_resumed_run_goes_o
     rounding). The full checkpoint still loads in plain Lightning."""
     every_epoch, sharded = tmp_path / "every_epoch", str(tmp_path / "sharded")
     first_epoch = str(every_epoch / "epoch=0-step=4.ckpt")
+    frozen_epoch, frozen_first = tmp_path / "frozen", str(tmp_path / "frozen" / "epoch=0-step=4.ckpt")
+    after_fit = str(tmp_path / "after_fit_and_validate.ckpt")
     runs = [_train("mlp_sgd", 4, max_steps=-1, max_epochs=2, trainer={"checkpoint_every_epoch": str(every_epoch)}),
             _train("mlp_sgd", 4, max_steps=-1, max_epochs=2, ckpt_path=first_epoch),
+            # frozen after step 3, before the checkpoint: its pending gradient holds theirs, the resumed step applies it
+            _train("freezing_mlp_sgd", 4, max_steps=-1, max_epochs=2,
+                   trainer={"checkpoint_every_epoch": str(frozen_epoch)}),
+            _train("freezing_mlp_sgd", 4, max_steps=-1, max_epochs=2, ckpt_path=frozen_first),
+            # saved after fit and a validate run: it still holds the gradient fit left unapplied
+            _train("freezing_mlp_sgd", 4, max_steps=-1, max_epochs=1, save_to=after_fit,
+                   trainer={"validate_before_saving": True}),
+            _train("freezing_mlp_sgd", 4, max_steps=-1, max_epochs=2, ckpt_path=after_fit),
             _train("tied_sgd", 2, max_steps=-1, max_epochs=2),
             _train("tied_sgd", 2, max_steps=-1, max_epochs=1, save_to=sharded, checkpoint_format="sharded"),
             _train("tied_sgd", 2, max_steps=-1, max_epochs=2, ckpt_path=sharded, checkpoint_format="sharded")]
@@ -218,9 +231,14 @@ def test_checkpoints_drain_and_hold_the_pending_gradient_so_a_resumed_run_goes_o
     uninterrupted, history = assemble(ranks, 0)
     assert_matches(uninterrupted, history, delayed_reference("mlp_sgd", max_steps=-1, max_epochs=2),
                    "pipedream_2bw with a checkpoint at each epoch's end")
-    for index, label in ((1, "mlp resumed from its first epoch's checkpoint"),
-                         (4, "tied model resumed from a sharded checkpoint saved after fit")):
-        resumed, expected = assemble(ranks, index)[0], assemble(ranks, index - 1 if index == 1 else 2)[0]
+    assert_matches(*assemble(ranks, 2), delayed_reference("freezing_mlp_sgd", max_steps=-1, max_epochs=2),
+                   "pipedream_2bw, weights frozen after step 3, a checkpoint at each epoch's end")
+    for index, expected_index, label in (
+            (1, 0, "mlp resumed from its first epoch's checkpoint"),
+            (3, 2, "mlp frozen after step 3 resumed from its first epoch's checkpoint"),
+            (5, 2, "mlp frozen after step 3 resumed from a checkpoint saved after fit and validate"),
+            (8, 6, "tied model resumed from a sharded checkpoint saved after fit")):
+        resumed, expected = assemble(ranks, index)[0], assemble(ranks, expected_index)[0]
         worst = max((resumed[n] - v).abs().max().item() for n, v in expected.items())
         print(f"{label}: max |param difference| {worst:.2e}")
         for name, value in expected.items():

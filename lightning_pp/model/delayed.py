@@ -109,6 +109,9 @@ class DelayedUpdates:
         self.previous: _Grads = {}  # the previous batch's gradients (its leftovers accumulate into them)
         self.version: _Version | None = None  # the weights the in-flight batch's forwards used
         self.last_schedule: Schedule | None = None
+        # the weights trainable during the batch whose gradient the latest step handed over (some may be frozen since:
+        # their gradient is still applied, so it is synchronized too)
+        self.handed_weights: set[torch.nn.Parameter] = set()
         # resumed from a checkpoint: the gradient its run had not applied yet, by name, synchronized already
         self.restored: dict[str, Tensor] = {}
 
@@ -145,6 +148,7 @@ class DelayedUpdates:
         self.carried = run(schedule, stream=True, carried=self.carried, around=around)
         self.broken = False
         handed = [(p, g) for p, g in self.previous.items() if g is not None]
+        self.handed_weights = set(self.previous)
         self.previous, self.version, self.open = {p: p.grad for p in params}, version, True
         return handed
 
@@ -179,8 +183,8 @@ class DelayedUpdates:
     def hand_over_restored(self, module: torch.nn.Module) -> None:
         """At the first optimizer step after resuming: put the checkpoint's gradient in place of what the hand-over
         synchronized (nothing: the resumed stream has no previous batch), as the uninterrupted run would apply it."""
-        for name, p in module.named_parameters():
-            if name in self.restored and p.requires_grad:
+        for name, p in module.named_parameters():  # frozen since the checkpoint's batch too, as the handed gradient
+            if name in self.restored:
                 p.grad = self.restored[name].to(device=p.device, dtype=p.dtype)
         self.restored = {}
 

@@ -13,6 +13,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
+from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_pp import _compat
@@ -99,7 +100,6 @@ class StageSession:
                                  options.microbatch_weight, groups if pipelined else None, position=self.stage,
                                  outside=lambda: partition.shared_tensors(module)[0])
         self._sigterm: SigtermAtNextStep | None = None  # pipedream_2bw: the SIGTERM agreement without a barrier
-        self._unapplied: dict[str, torch.Tensor] = {}  # pipedream_2bw: the gradient fit ended without applying
         self._undo_sigterm: Callable[[], None] = lambda: None
         if pipelined and fitting and options.schedule == "pipedream_2bw":
             refuse_for_delayed_updates(module.trainer)
@@ -182,7 +182,9 @@ class StageSession:
             with collective("the blocks' gradient reduce-scatter over the replicas (FSDP2)"):
                 assembly.sharding.reduce_grads()
         with collective("the gradient all-reduce (replicas' average, weights several stages hold)"):
-            params = [p for p in self.module.parameters() if p.requires_grad]
+            # pipedream_2bw: a weight frozen since the handed batch ran still gets that batch's gradient
+            handed = self.driver.delayed.handed_weights if self.driver.delayed is not None else set()
+            params = [p for p in self.module.parameters() if p.requires_grad or p in handed]
             sync_ms = assembly.grads.synchronize(params, timed)
         if self.driver.delayed is not None and self.driver.delayed.restored:
             self.driver.delayed.hand_over_restored(self.module)
@@ -193,31 +195,41 @@ class StageSession:
         if timed:  # for PipelineMonitor
             self.telemetry.last_grad_sync_ms = sync_ms
 
-    def drain(self, end_of_fit: Collective | None = None) -> None:
-        """``pipedream_2bw``: back up what the stream left in flight (before validation, whose passes then have
-        the transfers to themselves; at the end of fit, given its ``collective``, where the stream ends and the last
-        batch's gradient, not applied, is kept for a checkpoint saved after fit)."""
+    def drain(self) -> None:
+        """``pipedream_2bw``: back up what the stream left in flight (before validation, whose passes then have the
+        transfers to themselves, and before a checkpoint; every rank at once)."""
         self.driver.drain()
         self.telemetry.kept_weight_bytes = 0
-        if end_of_fit is not None and self.driver.delayed is not None:
-            self._unapplied = self.pending_gradient(end_of_fit)
-            self.driver.delayed = None
-            if self._sigterm is not None:
-                self._sigterm.finish()
-                self._sigterm = None
-            self._restore_sigterm()
 
-    def pending_gradient(self, collective: Collective) -> dict[str, torch.Tensor]:
+    def end_fit(self, collective: Collective) -> dict[str, torch.Tensor]:
+        """``pipedream_2bw``: end the stream at the end of fit (drained; Lightning's SIGTERM handling given back);
+        returns the last batch's gradient, which fit leaves unapplied, for a checkpoint saved after it (see
+        :meth:`pending_gradient`)."""
+        if self.driver.delayed is None:
+            return {}
+        unapplied = self.pending_gradient(collective) or {}
+        self.driver.delayed = None
+        if self._sigterm is not None:
+            self._sigterm.finish()
+            self._sigterm = None
+        self._restore_sigterm()
+        return unapplied
+
+    def pending_gradient(self, collective: Collective) -> dict[str, torch.Tensor] | None:
         """``pipedream_2bw``: the gradient the next optimizer step applies, by parameter name, synchronized as the
-        hand-over will synchronize it (every rank calls this at once: it drains the stream first); after fit, the one
-        fit left unapplied. For a checkpoint, so that a run resumed from it goes on as the uninterrupted run."""
+        hand-over will synchronize it (every rank calls this at once: it drains the stream first). For a checkpoint,
+        so that a run resumed from it goes on as the uninterrupted run. None without a stream (another schedule, or
+        not fitting); empty after a step that failed half-way (what was in flight is lost)."""
         delayed = self.driver.delayed
         if delayed is None:
-            return self._unapplied
+            return None
         if delayed.restored:  # resumed, no step since
             return dict(delayed.restored)
+        if delayed.broken:
+            return {}
         self.drain()
-        params = [p for p in self.module.parameters() if p.requires_grad]
+        # trainable now or during the latest batch (frozen since: its gradient is applied all the same)
+        params = [p for p in self.module.parameters() if p.requires_grad or p in delayed.previous]
         live = {p: p.grad for p in params}
         for p in params:
             pending = delayed.previous.get(p)
@@ -232,10 +244,17 @@ class StageSession:
                 p.grad = live[p]
 
     def restore_pending_gradient(self, saved: dict[str, torch.Tensor]) -> None:
-        """``pipedream_2bw``: a checkpoint's pending gradient, for the first optimizer step (other schedules ignore
-        it: they have no gradient pending between steps)."""
-        if self.driver.delayed is not None:
-            self.driver.delayed.restored = dict(saved)
+        """``pipedream_2bw``: the entries of a checkpoint's pending gradient for the weights this rank holds, for the
+        first optimizer step. Another schedule fitting from it has no gradient pending between steps: it is dropped,
+        with a warning."""
+        delayed = self.driver.delayed
+        if delayed is not None:
+            held = dict(self.module.named_parameters())
+            delayed.restored = {name: value for name, value in saved.items() if name in held}
+        elif saved and self.module.trainer.state.fn == TrainerFn.FITTING and self.rank == 0:
+            log.warning("lightning_pp: the checkpoint holds schedule='pipedream_2bw''s gradient of its last batch, "
+                        "not applied yet; this run's schedule applies every batch's gradient in its own step, so that "
+                        "one is dropped (the run resumes as pipedream_2bw would without it).")
 
     def _restore_sigterm(self) -> None:
         """Give Lightning its SIGTERM handling back (once)."""
