@@ -28,9 +28,9 @@ What Lightning sees: the optimizer and the LR scheduler step at every step, as L
 applies no gradient: the optimizer's state does not move, the scheduler counts the step); step ``t`` returns and
 logs batch ``t``'s loss and ``self.log`` values, computed at ``W_{t-1}``. An epoch's end does not drain by itself
 (Lightning's default ModelCheckpoint saves there without a validation loop, which does). Validation, a checkpoint and
-the end of fit do: the live weights are ``W_t`` (what validation evaluates and a checkpoint holds)
-and batch ``t``'s gradient stays pending for the next step; a checkpoint holds it too (synchronized, by name), so a
-run resumed from it applies it at its first step and goes on as the uninterrupted run.
+the end of fit do: the live weights are ``W_t`` (what validation evaluates and a checkpoint holds) and batch ``t``'s
+gradient stays pending for the next step; a checkpoint holds it too (synchronized, by name), so a run resumed from it
+applies it at its first step and goes on as the uninterrupted run.
 """
 
 from __future__ import annotations
