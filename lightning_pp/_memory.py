@@ -7,9 +7,9 @@ from contextlib import contextmanager
 
 import torch
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 from lightning_pp import _compat
+from lightning_pp.sharding import local
 
 __all__ = [
     "AllocatorPeakMeter",
@@ -204,10 +204,5 @@ def optimizer_state_size(optimizers: Iterable[torch.optim.Optimizer]) -> Callabl
     for optimizer in optimizers:
         for p, state in optimizer.state.items():
             tensors = [t for t in state.values() if isinstance(t, torch.Tensor)]
-            held[id(p)] = held.get(id(p), 0) + sum(_tensor_bytes(_local(t)) for t in tensors)
+            held[id(p)] = held.get(id(p), 0) + sum(_tensor_bytes(local(t)) for t in tensors)
     return lambda p: held.get(id(p), 0)
-
-
-def _local(t: torch.Tensor) -> torch.Tensor:
-    """The shard of ``t`` this rank holds (a DTensor's local tensor; else ``t``)."""
-    return t.to_local() if isinstance(t, DTensor) else t

@@ -158,8 +158,8 @@ class DelayedUpdates:
         return self.version.keep() if self.open and self.version is not None else 0
 
     def drain(self, params: list[torch.nn.Parameter], run: Callable[..., StageRun]) -> None:
-        """Back up the latest batch's leftovers (every rank calls this at once: before validation and at the end of
-        fit). Its gradient stays for the next step to hand over."""
+        """Back up the latest batch's leftovers (every rank calls this at once: before validation, a checkpoint and
+        the end of fit). Its gradient stays for the next step to hand over."""
         if not self.open or self.broken:
             return
         version = self.version
