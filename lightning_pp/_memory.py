@@ -171,15 +171,18 @@ def step_memory_meter(module: nn.Module, device: torch.device,
 
 
 def _tensor_bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
+    """The bytes of ``t`` this rank holds: a DTensor's (FSDP2's, tensor parallelism's) local shard, not its global
+    size (``numel`` of a DTensor is the whole tensor's)."""
+    shard = local(t)
+    return shard.numel() * shard.element_size()
 
 
 def stage_parameter_bytes(module: nn.Module, blocks: Mapping[int, Iterable[nn.Module]],
                           size: Callable[[nn.Parameter], int] = _tensor_bytes) -> dict[int, int]:
-    """Bytes of the parameters ``module`` holds now (``size`` of each: by default the parameter's own), per stage:
-    ``blocks[s]`` are stage ``s``'s blocks; everything else ``module`` holds (weights outside the blocks) counts on the
-    lowest-numbered stage. A parameter held in several places (tied weights) counts once, on the first stage that
-    holds it."""
+    """Bytes of the parameters ``module`` holds now (``size`` of each: by default the parameter's own, a sharded one's
+    local shard), per stage: ``blocks[s]`` are stage ``s``'s blocks; everything else ``module`` holds (weights outside
+    the blocks) counts on the lowest-numbered stage. A parameter held in several places (tied weights) counts once, on
+    the first stage that holds it."""
     seen: set[int] = set()
 
     def new_bytes(parameters: Iterable[nn.Parameter]) -> int:
@@ -204,5 +207,5 @@ def optimizer_state_size(optimizers: Iterable[torch.optim.Optimizer]) -> Callabl
     for optimizer in optimizers:
         for p, state in optimizer.state.items():
             tensors = [t for t in state.values() if isinstance(t, torch.Tensor)]
-            held[id(p)] = held.get(id(p), 0) + sum(_tensor_bytes(local(t)) for t in tensors)
+            held[id(p)] = held.get(id(p), 0) + sum(_tensor_bytes(t) for t in tensors)
     return lambda p: held.get(id(p), 0)
