@@ -19,6 +19,7 @@ from torch.optim import Optimizer
 from lightning_pp._compat import _optimizers_to_device
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.sharding import full_tensors, shard_like
+from lightning_pp.topology import object_group_now
 
 __all__ = ["PENDING_GRADIENT_KEY", "StageCheckpoints", "indexed_to_named", "load_named", "merge_named", "named_state",
            "named_to_indexed"]
@@ -133,9 +134,10 @@ class StageCheckpoints:
     tensor-parallel ranks, as do single-device checkpoints, because everything is matched by name.
 
     ``not_on_last()`` names the state entries the last stage does not hold (weights used before the blocks only, see
-    ``outside_weights``); ``object_group()`` is the group for object collectives now (None: the default group; after
-    ``fit`` ends, a checkpoint saved by hand gathers over the default group); ``world``, ``rank``, ``stage``,
-    ``lane``, ``num_stages`` and ``rank_of(stage, lane)`` describe this rank's place (see
+    ``outside_weights``); ``object_group()`` is the run's group for object collectives (None: the default group, or,
+    after ``fit`` ends, none: then a checkpoint saved by hand gathers over a gloo group made for it where the default
+    group is not gloo, see :func:`~lightning_pp.topology.object_group_now`, never through GPU memory); ``world``,
+    ``rank``, ``stage``, ``lane``, ``num_stages`` and ``rank_of(stage, lane)`` describe this rank's place (see
     :class:`~lightning_pp.topology.PipelineLayout`).
     """
 
@@ -150,6 +152,10 @@ class StageCheckpoints:
         self.object_group = object_group
         self.device = device
 
+    def _objects(self) -> Any:
+        """The group for this rank's object collectives and distributed checkpoints now (also after ``fit``)."""
+        return object_group_now(self.object_group())
+
     def _name_of(self) -> dict[int, str]:
         return {id(p): n for n, p in self.module.named_parameters()}
 
@@ -159,7 +165,7 @@ class StageCheckpoints:
         if self.world == 1:
             return [obj]
         gathered: list[Any] | None = [None] * self.world if self.rank == 0 else None
-        dist.gather_object(obj if self.lane == 0 else None, gathered, dst=0, group=self.object_group())
+        dist.gather_object(obj if self.lane == 0 else None, gathered, dst=0, group=self._objects())
         return [gathered[self.rank_of(stage, 0)] for stage in range(self.num_stages)] if gathered else []
 
     def own_state(self) -> dict[str, torch.Tensor]:
@@ -253,7 +259,7 @@ class StageCheckpoints:
             written[f"{PENDING_GRADIENT_KEY}.{name}"] = value
         # a copy several ranks hold is written by the lowest (replica 0, as the full format's)
         dcp.save(written, checkpoint_id=folder, planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
-                 process_group=self.object_group())
+                 process_group=self._objects())
         if self.rank == 0:
             meta = {k: v for k, v in checkpoint.items()
                     if k not in ("state_dict", "optimizer_states", PENDING_GRADIENT_KEY)}
@@ -303,7 +309,7 @@ class StageCheckpoints:
             for stage in range(saved["num_stages"]):
                 target[f"{_OPTIMIZER}.{i}.stage{stage}"] = None
         dcp.load(target, checkpoint_id=folder, planner=DefaultLoadPlanner(allow_partial_load=True),
-                 process_group=self.object_group())
+                 process_group=self._objects())
         checkpoint["state_dict"] = {k: target[f"{_MODEL}.{k}"] for k in module_keys}  # tensors read in place
         if pending:
             checkpoint[PENDING_GRADIENT_KEY] = {name: target[f"{PENDING_GRADIENT_KEY}.{name}"] for name in pending}
@@ -350,6 +356,6 @@ class StageCheckpoints:
         parts: list[Any] = [local]
         if self.world > 1:
             parts = [None] * self.world
-            dist.all_gather_object(parts, local, group=self.object_group())
+            dist.all_gather_object(parts, local, group=self._objects())
         order = self.partition.full_param_order
         return [sorted({n for part in parts for n in part[g]}, key=lambda n: order[n]) for g in range(len(local))]

@@ -110,8 +110,9 @@ class PipelineMonitor(pl.Callback):
       it.
     - ``pipeline/stage{s}/param_memory_mb``: MiB of the parameters stage ``s`` holds when the step is logged: its
       blocks' and, on the rank's lowest-numbered stage, the weights outside the blocks that the rank holds (a tied
-      weight counts once); with ``schedule="pipedream_2bw"`` also the older version of the weights the stage keeps
-      for its backwards left over to the next step.
+      weight counts once), the shard this rank holds where they are sharded (FSDP2, tensor parallelism); with
+      ``schedule="pipedream_2bw"`` also the older version of the weights the stage keeps for its backwards left over
+      to the next step.
     - ``pipeline/stage{s}/optimizer_state_mb``: MiB of the optimizer state of those parameters when the step is
       logged (after its optimizer step; Adam: two moments and a step count per parameter), the shard this rank
       holds where the state is sharded.
@@ -180,7 +181,9 @@ class PipelineMonitor(pl.Callback):
         self.history: list[dict[str, float]] = []  # the metrics of every measured step (on global rank 0)
         # global rank 0: the latest timed step, until every rank's rows of it have arrived (see _log's arguments)
         self._unlogged: tuple[int, Any, int, Schedule, PipelineTelemetry] | None = None
-        self._sends: list[tuple[dist.Work, torch.Tensor]] = []  # the other ranks: their rows on the way
+        # the other ranks: their rows on the way, each send with the number of the batch end that posted it
+        self._sends: list[tuple[int, dist.Work, torch.Tensor]] = []
+        self._batch_ends = 0  # batch ends since training started
 
     @staticmethod
     def _telemetry(trainer: pl.Trainer) -> PipelineTelemetry:
@@ -196,7 +199,7 @@ class PipelineMonitor(pl.Callback):
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         telemetry = self._telemetry(trainer)
-        self._unlogged, self._sends = None, []
+        self._unlogged, self._sends, self._batch_ends = None, [], 0
         if _distributed():
             dist.barrier(group=telemetry.object_group)
             now = time.perf_counter()
@@ -252,7 +255,8 @@ class PipelineMonitor(pl.Callback):
         if self._unlogged is not None:  # global rank 0: the previous timed step's rows have arrived by now
             self._log(trainer, *self._unlogged)
             self._unlogged = None
-        self._sends = [(work, buffer) for work, buffer in self._sends if not work.is_completed()]
+        self._batch_ends += 1
+        self._reap_sends()
         if self._events is None:
             return
         events, self._events = self._events, None
@@ -271,7 +275,26 @@ class PipelineMonitor(pl.Callback):
         elif trainer.is_global_zero:
             self._unlogged = unlogged  # logged at the next batch's end, when every rank's rows are there
         else:
-            self._sends += send_object(mine, 0, telemetry.object_group, _ROWS_TAG)
+            self._sends += [(self._batch_ends, work, buffer)
+                            for work, buffer in send_object(mine, 0, telemetry.object_group, _ROWS_TAG)]
+
+    def _reap_sends(self) -> None:
+        """Wait for the rows sent at least two batch ends ago, and let go of their buffers: at most two timed steps'
+        sends stay in flight.
+
+        A gloo send reports ``is_completed()`` only once waited for, so polling would hold every timed step's rows until
+        training ends. Waiting here cannot block: rows sent at batch end ``b`` are received by global rank 0 at its
+        batch end ``b + 1``, and this rank has reached batch end ``b + 2`` only after its batch ``b + 2`` ran, whose
+        forwards (or the gradient sync with its replicas) needed what rank 0 computed after its batch end ``b + 1``
+        (the SIGTERM broadcast at the batch's start, where Lightning does it, orders them too).
+        """
+        kept = []
+        for posted_at, work, buffer in self._sends:
+            if posted_at <= self._batch_ends - 2:
+                work.wait()
+            elif not work.is_completed():
+                kept.append((posted_at, work, buffer))
+        self._sends = kept
 
     def _log(self, trainer: pl.Trainer, step: int, mine: Any, samples: int, schedule: Schedule,
              telemetry: PipelineTelemetry) -> None:
@@ -331,7 +354,7 @@ class PipelineMonitor(pl.Callback):
         if self._unlogged is not None:
             self._log(trainer, *self._unlogged)
             self._unlogged = None
-        for work, _ in self._sends:
+        for _, work, _ in self._sends:
             work.wait()
         self._sends = []
         if trainer.is_global_zero and not trainer.loggers and self.history:

@@ -18,7 +18,8 @@ from lightning_pp import _compat
 from lightning_pp._nccl_emulation import ENV_VAR, emulating_nccl
 
 __all__ = ["MESH_DIMS", "PipelineLayout", "StageGroups", "broadcast_object", "create_device_mesh", "create_groups",
-           "create_sharing_groups", "gather_reports", "receive_object", "send_object", "start_process_group"]
+           "create_sharing_groups", "gather_reports", "object_group_now", "receive_object", "send_object",
+           "start_process_group"]
 
 MESH_DIMS = ("pipeline_parallel", "data_parallel", "tensor_parallel")
 
@@ -226,6 +227,30 @@ def start_process_group(cluster_environment: Any, backend: str, timeout: timedel
     if world_size > 1 and (backend != "gloo" or emulating_nccl()):
         return dist.new_group(backend="gloo", timeout=timeout)
     return None
+
+
+def object_group_now(group: Any) -> Any:
+    """The group for an object collective now: ``group`` (the run's, from :func:`start_process_group`) while it exists;
+    once it is gone (the strategy's teardown destroys it at the end of ``fit``, and a checkpoint saved by hand comes
+    after), what :func:`start_process_group` would return: a gloo group over the world where the default group is not
+    gloo (NCCL, or its emulation), made once per default group, else None (the default group). Making it is
+    collective: every rank calls this at the same point, before the collective it is for.
+
+    On NCCL an object collective pickles into GPU buffers: gathering a checkpoint over it would put the world's
+    pickles of every stage's state into global rank 0's GPU memory at once.
+    """
+    if group is not None or not dist.is_initialized() or dist.get_world_size() < 2:
+        return group
+    if dist.get_backend() == "gloo" and not emulating_nccl():
+        return None
+    world = dist.group.WORLD
+    made = _LATE_OBJECT_GROUPS.get("world")
+    if made is None or made[0] is not world:  # none yet, or made in a process group destroyed since
+        made = _LATE_OBJECT_GROUPS["world"] = (world, dist.new_group(backend="gloo"))
+    return made[1]
+
+
+_LATE_OBJECT_GROUPS: dict[str, tuple[Any, Any]] = {}  # "world" -> (the default group it was made in, the gloo group)
 
 
 def send_object(obj: Any, dst: int, group: Any, tag: int) -> list[tuple[dist.Work, torch.Tensor]]:

@@ -240,19 +240,56 @@ def monitored(model: str, schedule: str, microbatches: int, log_dir: str | None,
     L.seed_everything(0, verbose=False)
     monitor = PipelineMonitor(logging_interval=1, timeline_every_n_steps=timeline_every_n_steps,
                               trace_dir=f"{log_dir}/traces" if log_dir else None)
+    held: list[int] = []  # after each batch end: the monitor's sends of rows still held (not reaped)
+
+    class HeldSends(L.Callback):
+        def on_train_batch_end(self, *args: Any) -> None:
+            held.append(len(monitor._sends))
+
     trainer = L.Trainer(
         accelerator="cpu", devices=WORLD_SIZE, max_steps=max_steps, log_every_n_steps=1,
         strategy=PipelineParallelStrategy(schedule=schedule, microbatches=microbatches, timeout=60, **strategy),
-        logger=TensorBoardLogger(log_dir, name="tb") if log_dir else False, callbacks=[monitor],
+        logger=TensorBoardLogger(log_dir, name="tb") if log_dir else False, callbacks=[monitor, HeldSends()],
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
     module = MODELS[model]()
     trainer.fit(module, make_data("tied" if model == "tied" else "mlp", batch_size=8))
     optimizer = trainer.optimizers[0]
-    return {"history": monitor.history,
+    return {"history": monitor.history, "held_sends": held,
             "param_bytes": {name: p.numel() * p.element_size() for name, p in module.named_parameters()},
             "optimizer_bytes": {name: sum(t.numel() * t.element_size() for t in optimizer.state[p].values())
                                 for name, p in module.named_parameters() if p in optimizer.state}}
+
+
+def save_by_hand_after_fit(save_to: str, **strategy: Any) -> dict[str, Any]:
+    """`train` the MLP, then ``trainer.save_checkpoint(save_to)`` (the Trainer's own checkpointing is off, so every
+    object gather and distributed-checkpoint write is the saving's): `train`'s result, and for each such call, which
+    group it used (``"default"``: the default group) and that group's backend."""
+    import torch.distributed as dist
+    import torch.distributed.checkpoint as dcp
+
+    used: list[tuple[str, str, str]] = []
+
+    def described(group: Any) -> tuple[str, str]:
+        return "default" if group is None or group is dist.group.WORLD else "own", str(dist.get_backend(group))
+
+    gather, save = dist.gather_object, dcp.save
+
+    def recording_gather(obj: Any, object_gather_list: Any = None, dst: int = 0, group: Any = None,
+                         **kwargs: Any) -> Any:
+        used.append(("gather_object", *described(group)))
+        return gather(obj, object_gather_list, dst, group=group, **kwargs)
+
+    def recording_save(state_dict: Any, *args: Any, process_group: Any = None, **kwargs: Any) -> Any:
+        used.append(("dcp.save", *described(process_group)))
+        return save(state_dict, *args, process_group=process_group, **kwargs)
+
+    dist.gather_object, dcp.save = recording_gather, recording_save
+    try:
+        result = train("mlp", save_to=save_to, **strategy)
+    finally:
+        dist.gather_object, dcp.save = gather, save
+    return {**result, "used": used}
 
 
 def lifecycle(timeout: float = 60, **strategy: Any) -> dict[str, Any]:

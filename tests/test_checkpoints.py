@@ -10,6 +10,8 @@ from _launch import launch
 from models import MLPClassifier
 from support import assemble, assert_params_close, epochs_run, single_device_state
 
+from lightning_pp._nccl_emulation import ENV_VAR
+
 pytestmark = pytest.mark.multiprocess
 
 
@@ -83,3 +85,24 @@ def test_model_checkpoint_early_stopping_and_lr_monitor_decide_as_single_device(
     want = torch.load(tmp_path / "single" / expected["best_path"], weights_only=True)
     for name, value in want["state_dict"].items():
         torch.testing.assert_close(best["state_dict"][name], value, rtol=1e-5, atol=5e-6)
+
+
+def test_a_checkpoint_saved_by_hand_after_fit_gathers_on_a_gloo_group_of_its_own(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Under NCCL's emulation (object collectives on a gloo group of their own, as on NCCL), ``save_checkpoint``
+    after ``fit`` (whose teardown destroyed that group) still gathers, and writes sharded checkpoints, over a gloo
+    group and never over the default group: on a GPU that would be NCCL, with every stage's pickled state in global
+    rank 0's GPU memory. The saved state is the trained one."""
+    monkeypatch.setenv(ENV_VAR, "1")  # the ranks inherit the environment
+    full, sharded = str(tmp_path / "full.ckpt"), str(tmp_path / "sharded")
+    ranks = launch(2, [{"scenario": "save_by_hand_after_fit",
+                        "kwargs": {"save_to": path, "schedule": "1f1b", "microbatches": 2, "checkpoint_format": form}}
+                       for path, form in ((full, "full"), (sharded, "sharded"))], timeout=200)
+    for rank in ranks:
+        assert not rank.errors, rank.errors
+        for run in rank.results:
+            assert run["used"], "the checkpoint gathered nothing: the test no longer sees its collectives"
+            assert all(group == "own" and backend == "gloo" for _, group, backend in run["used"]), run["used"]
+    trained, _ = assemble(ranks, 0)
+    assert_params_close(torch.load(full, weights_only=True)["state_dict"], trained, "full checkpoint saved after fit")
+    assert (Path(sharded) / ".metadata").exists() and (Path(sharded) / "checkpoint.pt").exists()

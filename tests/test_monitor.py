@@ -135,6 +135,24 @@ def test_summary_table_without_logger() -> None:
     assert "PipelineMonitor: mean over" not in ranks[1].output
 
 
+@pytest.mark.multiprocess
+def test_rows_sent_to_rank_zero_are_reaped_while_training() -> None:
+    """A gloo send reports completion only once waited for: each rank reaps its timed steps' rows two batch ends
+    after sending them, so however many steps are timed at most two steps' sends (a size and a pickle each) stay
+    held; waiting for them blocks no schedule, pipedream_2bw's (whose steps end at different times) included."""
+    steps = 10
+    runs = [{"scenario": "monitored", "kwargs": {"model": "mlp", "schedule": schedule, "microbatches": 2,
+                                                  "log_dir": None, "max_steps": steps, "timeline_every_n_steps": 0}}
+            for schedule in ("1f1b", "pipedream_2bw")]
+    ranks = launch(2, runs, timeout=300)
+    for index in range(len(runs)):
+        for rank in ranks:
+            assert index not in rank.errors, rank.errors[index]["traceback"]
+        assert [h["step"] for h in ranks[0].results[index]["history"]] == list(range(steps))
+        held = ranks[1].results[index]["held_sends"]
+        assert len(held) == steps and max(held) <= 4, held
+
+
 def test_monitor_arguments_are_checked() -> None:
     with pytest.raises(PipelineConfigError, match="multiple of logging_interval=10"):
         PipelineMonitor(logging_interval=10, timeline_every_n_steps=15)
@@ -269,6 +287,30 @@ def test_stage_parameter_bytes_counts_blocks_per_stage_and_the_rest_once_on_the_
     module = nn.ModuleDict({"embed": embed, "blocks": nn.ModuleList(blocks), "head": head,
                             "norm": nn.LayerNorm(4)})
     assert stage_parameter_bytes(module, {2: [blocks[1]], 0: [blocks[0]]}) == {0: 4 * (20 + 40 + 8), 2: 4 * 16}
+
+
+def test_parameter_bytes_of_a_sharded_weight_are_its_local_shard() -> None:
+    """A DTensor weight (FSDP2's Shard(0), as on one of 4 replicas: 2 of its 8 rows here) counts the bytes this rank
+    holds, not the whole tensor's (its ``numel``); its optimizer state likewise."""
+    import torch.distributed as dist
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import DTensor, Shard
+
+    from lightning_pp._memory import optimizer_state_size
+
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("data_parallel",))
+        block = nn.Linear(4, 8, bias=False)
+        block.weight = nn.Parameter(DTensor.from_local(torch.zeros(2, 4), mesh, [Shard(0)], shape=torch.Size([8, 4]),
+                                                       stride=(4, 1), run_check=False))
+        assert block.weight.numel() == 32  # the whole tensor's
+        assert stage_parameter_bytes(block, {0: [block]}) == {0: 2 * 4 * 4}
+        optimizer = torch.optim.SGD(block.parameters(), lr=0.1, momentum=0.9)
+        optimizer.state[block.weight]["momentum_buffer"] = torch.zeros_like(block.weight)  # a DTensor too
+        assert stage_parameter_bytes(block, {0: [block]}, size=optimizer_state_size([optimizer])) == {0: 2 * 4 * 4}
+    finally:
+        dist.destroy_process_group()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
