@@ -16,6 +16,36 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from torchmetrics.utilities.distributed import gather_all_tensors
 
+from lightning_pp.errors import PipelineConfigError
+
+# The oldest torch whose APIs lightning_pp uses (pyproject.toml's `torch>=` says the same; a test compares them):
+# `distribute_tensor(..., src_data_rank=None)` (2.7), FSDP2 and its `FSDPModule`, `MixedPrecisionPolicy` in
+# `torch.distributed.fsdp` (2.6), DTensor public in `torch.distributed.tensor` and the pipelining backward split (2.5).
+TORCH_MINIMUM = (2, 7)
+
+
+def _release(version: str) -> tuple[int, int]:
+    """``(major, minor)`` of a torch version string (``2.11.0+cu130``, ``2.13.0a0+git1234``)."""
+    major, minor = version.split("+")[0].split(".")[:2]
+    return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
+
+
+TORCH_VERSION = _release(torch.__version__)
+
+
+def check_torch_version(version: str = torch.__version__) -> None:
+    """Refuse a torch older than :data:`TORCH_MINIMUM`, naming both and the fix (an import error later would name
+    neither)."""
+    if _release(version) < TORCH_MINIMUM:
+        minimum = ".".join(map(str, TORCH_MINIMUM))
+        raise PipelineConfigError(
+            f"lightning_pp needs torch>={minimum} (distribute_tensor's src_data_rank, FSDP2 in "
+            f"torch.distributed.fsdp), but torch {version} is installed. Upgrade it: pip install 'torch>={minimum}'."
+        )
+
+
+check_torch_version()
+
 
 def _found_inf_per_device(scaler: torch.amp.GradScaler, optimizer: Any) -> dict[torch.device, torch.Tensor]:
     """The scaler's per-device inf/NaN flags for ``optimizer``, filled by ``unscale_`` and read by ``step``."""
@@ -76,8 +106,22 @@ def split_backward_applies(outputs: list[torch.Tensor], inputs: list[torch.Tenso
     inputs_closure, _ = reverse_closure(input_nodes, set(), reverse)  # below add keys to the defaultdict
     if not all(root in inputs_closure for root in roots):
         return False
-    covered = {node for group in get_param_groups(input_nodes, nodes, reverse) for node in group["params"]}
+    groups = get_param_groups(input_nodes, nodes, reverse)
+    if TORCH_VERSION < (2, 13) and any(len(group["intermediates"]) > 1 for group in groups):
+        # before 2.13 the weight pass counts twice the gradient of a weight used at two points of one path (a block
+        # applied twice, x @ w @ w): pytorch/pytorch#180952, fixed in 2.13 by pytorch/pytorch#181365
+        return False
+    if TORCH_VERSION < (2, 12) and any(_several_outputs(node) for group in groups for node in group["intermediates"]):
+        # before 2.12 the weight pass sums the gradients of an operation's outputs into its first: pytorch#170277
+        return False
+    covered = {node for group in groups for node in group["params"]}
     return all(node in covered for node in nodes)
+
+
+def _several_outputs(node: Any) -> bool:
+    """Whether the autograd node stands for an operation with more than one output (``split``, ``chunk``, an RNN)."""
+    metadata = getattr(node, "_input_metadata", None)  # one entry per forward output
+    return metadata is None or len(metadata) > 1
 
 
 def backward_input(outputs: list[torch.Tensor], output_grads: list[torch.Tensor] | None,
@@ -252,11 +296,13 @@ __all__ = [
     "_sync_ddp_if_available",
     "backward_input",
     "backward_weight",
+    "check_torch_version",
     "child_names",
     "copy_forward_hooks",
     "current_hook",
     "forward_hooks",
     "fresh_persistent_workers",
+    "fsdp_param_groups",
     "mark_metric_updated",
     "metric_forward_value",
     "replace_metric_sync",
@@ -291,9 +337,18 @@ def reduce_fsdp_grads(module: Any) -> None:
     module.set_reshard_after_backward(True)
     module.set_requires_gradient_sync(True)
     for each in state._state_ctx.all_states:
-        for param_group in each._fsdp_param_groups:
+        for param_group in fsdp_param_groups(each):
             param_group.post_backward()
     state._root_post_backward_final_callback()
+
+
+def fsdp_param_groups(state: Any) -> list[Any]:
+    """The parameter groups of one FSDP2 state: a list from torch 2.12 on (a module may hold several), at most one
+    before (``_fsdp_param_group``, None for a unit without parameters of its own)."""
+    if TORCH_VERSION >= (2, 12):
+        return list(state._fsdp_param_groups)
+    group = state._fsdp_param_group
+    return [group] if group is not None else []
 
 
 def init_fsdp_root(module: torch.nn.Module) -> None:
