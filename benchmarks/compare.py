@@ -32,7 +32,12 @@ all-reduce is overhead.
 
 Every process runs with one CPU thread (``OMP_NUM_THREADS=1``, ``torch.set_num_threads(1)``). ``--device`` picks
 where: ``cpu`` computes there and communicates over gloo; ``cuda`` gives rank ``r`` GPU ``r`` and uses NCCL (the
-single process runs on GPU 0). The default is ``cuda`` when at least 2 GPUs are visible, else ``cpu``. The default
+single process runs on GPU 0). The default is ``cuda`` when at least 2 GPUs are visible, else ``cpu``. With
+``--device cuda`` and fewer GPUs than processes (one GPU, say: NCCL refuses two ranks on one GPU) every pipeline runs
+in **one process holding all its stages** on GPU 0 (``interleaved_1f1b`` with ``stages_per_rank=p``; torch:
+``ScheduleInterleaved1F1B`` over the ``p`` stages of rank 0, which hands activations between local stages without
+communication), one replica: the table then shows each framework's cost of running the schedule, and the ideal is the
+single process's step (one device cannot go faster by splitting its work). The default
 stage counts are 2, and 4 where the machine has 4 cores (CPU: one per process) or 4 GPUs. The multi-process runs are
 launched as subprocesses the way torchrun would (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``,
 ``LOCAL_RANK``, ``NODE_RANK``); Lightning sees an external launcher because ``LOCAL_RANK`` is set.
@@ -221,6 +226,11 @@ def synchronize(device: Any) -> None:
         torch.cuda.synchronize(device)
 
 
+def processes(run: dict[str, Any]) -> int:
+    """The processes of a run: one per stage and replica, or one holding every stage (``colocated``)."""
+    return 1 if run.get("colocated") else run["stages"] * run["replicas"]
+
+
 def summarize(times: list[float]) -> dict[str, float] | None:
     if not times:
         return None
@@ -290,9 +300,10 @@ def worker_torch(run: dict[str, Any], rank: int) -> dict[str, Any]:
     stages, replicas = run["stages"], run["replicas"]
     index, replica = rank // replicas, rank % replicas  # lightning_pp's layout: a stage's replicas side by side
     pipeline_group, replica_group = pipeline_and_replica_groups(stages, replicas, rank)
-    per_rank = STAGES_PER_RANK.get(run["schedule"], 1)
-    total = stages * per_rank  # round-robin: this rank holds stages index, index + stages, ...
-    held = [index + k * stages for k in range(per_rank)]
+    per_rank = stages if run.get("colocated") else STAGES_PER_RANK.get(run["schedule"], 1)
+    ranks = 1 if run.get("colocated") else stages
+    total = ranks * per_rank  # round-robin: this rank holds stages index, index + ranks, ...
+    held = [index + k * ranks for k in range(per_rank)]
     per_stage = NUM_LAYERS // total
     submodule = torch.nn.ModuleList(layers[s * per_stage:(s + 1) * per_stage] for s in held).to(device)
     pipeline_stages: list[Any] = [
@@ -312,7 +323,9 @@ def worker_torch(run: dict[str, Any], rank: int) -> dict[str, Any]:
 
     def step(x: torch.Tensor, y: torch.Tensor) -> None:
         losses: list[torch.Tensor] = []
-        if is_first:
+        if is_first and is_last:  # every stage in this process
+            schedule.step(x, target=y, losses=losses)
+        elif is_first:
             schedule.step(x)
         elif is_last:
             schedule.step(target=y, losses=losses)
@@ -409,10 +422,11 @@ def worker_lightning(run: dict[str, Any], rank: int) -> dict[str, Any]:
 
     def fit(steps: int, callbacks: list[Callback]) -> None:
         module: L.LightningModule = make_gpt() if run["model"] == "gpt" else MLP()
+        colocated = {"stages_per_rank": run["stages"], "pipeline_parallel_size": 1} if run.get("colocated") else {
+            "pipeline_parallel_size": run["stages"]}
         trainer = L.Trainer(
-            accelerator="gpu" if run["device"] == "cuda" else "cpu", devices=run["stages"] * run["replicas"],
-            strategy=PipelineParallelStrategy(schedule=run["schedule"], microbatches=MICROBATCHES,
-                                              pipeline_parallel_size=run["stages"],
+            accelerator="gpu" if run["device"] == "cuda" else "cpu", devices=processes(run),
+            strategy=PipelineParallelStrategy(schedule=run["schedule"], microbatches=MICROBATCHES, **colocated,
                                               activation_checkpointing=run.get("activation_checkpointing", False)),
             max_steps=steps, logger=False, enable_checkpointing=False, enable_progress_bar=False,
             enable_model_summary=False, callbacks=callbacks,
@@ -452,7 +466,8 @@ def worker_main(kind: str, spec_path: str, out_dir: str) -> None:
 
             keep_freed_cpu_memory()
         dist.init_process_group("nccl" if on_gpu else "gloo", rank=rank, world_size=world,
-                                device_id=device if on_gpu else None)
+                                device_id=device if on_gpu else None,
+                                store=dist.HashStore() if world == 1 else None)  # no launcher's address alone
     results: list[dict[str, Any]] = []
     try:
         for run in spec["runs"]:
@@ -570,7 +585,7 @@ def fmt_mib(values: list[int | None]) -> str:
 
 
 def build_rows(results: dict[str, dict[Config, PerRank]], models: list[tuple[str, int]],
-               configs: list[Config]) -> list[dict[str, Any]]:
+               configs: list[Config], colocated: bool = False) -> list[dict[str, Any]]:
     """One table row per (configuration, runner), with the derived columns of the module docstring."""
     m = MICROBATCHES
     rows: list[dict[str, Any]] = []
@@ -597,7 +612,7 @@ def build_rows(results: dict[str, dict[Config, PerRank]], models: list[tuple[str
         torch_res = first_rank("torch", config)
         torch_stats = summarize(torch_res["times"]) if torch_res else None
         ts = t_single.get((model, hidden))
-        ideal = ts / p / (1 - ideal_bubble(schedule, p)) if ts is not None else None
+        ideal = None if ts is None else ts if colocated else ts / p / (1 - ideal_bubble(schedule, p))
         for kind in PIPELINE_RUNNERS:
             if config not in results.get(kind, {}):  # runner not measured (--runners, device, or the GPT for torch)
                 continue
@@ -637,7 +652,7 @@ def markdown(rows: list[dict[str, Any]], memory_column: str) -> str:
     return "\n".join(lines)
 
 
-def machine_description(device: str) -> str:
+def machine_description(device: str, colocated: bool = False) -> str:
     """What the numbers were measured on, for the table's caption and the JSON."""
     import platform
 
@@ -645,7 +660,8 @@ def machine_description(device: str) -> str:
         import torch
 
         names = [torch.cuda.get_device_name(i) for i in range(torch.cuda.device_count())]
-        return f"{len(names)} x {names[0]}, NCCL, {os.cpu_count()} CPU cores"
+        where = ", one process per pipeline" if colocated else ", NCCL"
+        return f"{len(names)} x {names[0]}{where}, {os.cpu_count()} CPU cores"
     cpu = platform.processor() or platform.machine()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -654,7 +670,8 @@ def machine_description(device: str) -> str:
                 break
     except OSError:
         pass
-    return f"{cpu}, {os.cpu_count()} cores, gloo, one thread per process"
+    where = "one process per pipeline" if colocated else "gloo"
+    return f"{cpu}, {os.cpu_count()} cores, {where}, one thread per process"
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -674,6 +691,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--replicas", type=int, nargs="+",
                         help="data-parallel replicas of each pipeline (default 1, and 2 where the machine has a core "
                              "or GPU for every process of 2 replicas of the smallest pipeline)")
+    parser.add_argument("--one-process", action="store_true",
+                        help="every pipeline in one process holding all its stages (interleaved_1f1b, one replica); "
+                             "the default on --device cuda with fewer GPUs than processes")
     parser.add_argument("--activation-checkpointing", action="store_true",
                         help="lightning_pp recomputes every block's activations in backward (memory for compute)")
     parser.add_argument("--steps", type=int, default=20, help="timed optimizer steps per run (default 20)")
@@ -706,7 +726,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     if args.replicas is None:
         args.replicas = [1, 2] if capacity >= 2 * min(args.stages) else [1]
     widest = max(args.stages) * max(args.replicas)
-    if args.device == "cuda" and widest > gpus:
+    args.colocated = args.one_process or (args.device == "cuda" and 1 <= gpus < widest)
+    if args.colocated:  # one process holds every stage of the pipeline
+        left_out = sorted(set(args.schedules) - {"interleaved_1f1b"})
+        print(f"note: every pipeline runs in one process holding its stages (interleaved_1f1b, one replica)"
+              f"{'; left out: ' + ', '.join(left_out) if left_out else ''}", file=sys.stderr)
+        args.schedules, args.replicas = ["interleaved_1f1b"], [1]
+    elif args.device == "cuda" and widest > gpus:
         fitting = " ".join(str(p) for p in args.stages if p * max(args.replicas) <= gpus)
         parser.error(f"--stages {max(args.stages)} x --replicas {max(args.replicas)} on --device cuda needs one GPU "
                      f"per process, but {gpus} are visible; "
@@ -735,7 +761,7 @@ def main(argv: list[str] | None = None) -> None:
     configs: list[Config] = [(model, h, s, p, r) for r in args.replicas for p in args.stages for model, h in models
                              for s in args.schedules]
     common = {"device": args.device, "steps": args.steps, "warmup": args.warmup, "monitor_steps": args.monitor_steps,
-              "activation_checkpointing": args.activation_checkpointing}
+              "activation_checkpointing": args.activation_checkpointing, "colocated": args.colocated}
     launches: list[tuple[str, int, list[Config]]] = []  # runner, processes, configurations measured in one launch
     for kind in RUNNER_LABELS:
         if kind not in args.runners:
@@ -748,7 +774,7 @@ def main(argv: list[str] | None = None) -> None:
                 measured = [c for c in configs
                             if c[3:] == (p, r) and not (kind.startswith("torch") and c[0] == "gpt")]
                 if measured:  # PipelineStage cannot share the GPT's tied embedding/head weight between stages
-                    launches.append((kind, p * r, measured))
+                    launches.append((kind, 1 if args.colocated else p * r, measured))
     repeats: dict[str, dict[Config, list[PerRank]]] = {kind: {} for kind in args.runners}
     with tempfile.TemporaryDirectory(prefix="lpp_compare_") as tmp_name:
         for repeat in range(args.repeats):
@@ -765,9 +791,9 @@ def main(argv: list[str] | None = None) -> None:
                          for rank_runs in per_rank])
                 print(f"    done in {time.perf_counter() - t0:.1f} s", file=sys.stderr, flush=True)
     results = {kind: {config: pool(reps) for config, reps in by_config.items()} for kind, by_config in repeats.items()}
-    rows = build_rows(results, models, configs)
+    rows = build_rows(results, models, configs, args.colocated)
     memory_column = "peak allocator memory" if args.device == "cuda" else "peak saved activations"
-    machine = machine_description(args.device)
+    machine = machine_description(args.device, args.colocated)
     table = markdown(rows, memory_column)
     elapsed = time.perf_counter() - started
     print(f"Measured on {machine}.\n\n{table}")
@@ -779,6 +805,7 @@ def main(argv: list[str] | None = None) -> None:
     meta = {"machine": machine, "device": args.device, "steps": args.steps, "warmup": args.warmup,
             "monitor_steps": args.monitor_steps, "repeats": args.repeats, "batch": BATCH, "layers": NUM_LAYERS,
             "stages": args.stages, "replicas": args.replicas, "microbatches": MICROBATCHES,
+            "one_process_per_pipeline": args.colocated,
             "memory_column": memory_column,
             "runtime_s": elapsed, "cpu_count": os.cpu_count(), "loadavg_1min_before": load_before,
             "loadavg_1min_after": os.getloadavg()[0]}

@@ -425,8 +425,7 @@ def timing_check(model: str) -> Callable[[], str]:
             clock = StepClock()
             fit(make, data, strategy, max_steps=steps + 1, callbacks=[clock])
             times[label] = median_step(clock.marks)
-        if model == "mlp":
-            times["torch.distributed.pipelining"] = torch_pipelining(make, data, steps)
+        times["torch.distributed.pipelining"] = torch_pipelining(make, data, steps, gpt=model == "gpt")
         base = times["plain loop"]
         return ", ".join(f"{label} {t * 1e3:.2f} ms ({t / base:.2f}x)" for label, t in times.items())
     return check
@@ -449,30 +448,72 @@ def plain_loop(make: Callable[[], L.LightningModule], data: Callable[[], DataLoa
     return median_step(marks)
 
 
-def torch_pipelining(make: Callable[[], L.LightningModule], data: Callable[[], DataLoader], steps: int) -> float:
-    """The MLP split by hand into 2 stages (input + first half, second half + head) in this one process, with
-    torch.distributed.pipelining's interleaved 1F1B over 8 micro-batches."""
+class _GPTFront(nn.Module):
+    """The GPT's embeddings and first blocks: torch.distributed.pipelining's first stage."""
+
+    def __init__(self, model: Any, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.model, self.blocks = [model], nn.ModuleList(blocks)  # (the model in a list: not a submodule)
+        self.token_embedding, self.position_embedding = model.token_embedding, model.position_embedding
+
+    def forward(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.token_embedding(tokens) + self.position_embedding(torch.arange(tokens.shape[1], device=tokens.device))
+        return _run_blocks(self.blocks, x)
+
+
+class _GPTBack(nn.Module):
+    """The GPT's last blocks, norm and head (tied to the embedding: the same weight, in this one process)."""
+
+    def __init__(self, model: Any, blocks: list[nn.Module]) -> None:
+        super().__init__()
+        self.blocks, self.norm, self.head = nn.ModuleList(blocks), model.norm, model.head
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.norm(_run_blocks(self.blocks, x)))
+
+
+def _run_blocks(blocks: nn.ModuleList, x: torch.Tensor) -> torch.Tensor:
+    mask = torch.ones(x.shape[1], x.shape[1], dtype=torch.bool, device=x.device).tril()
+    for block in blocks:
+        x = block(x, mask)
+    return x
+
+
+def torch_pipelining(make: Callable[[], L.LightningModule], data: Callable[[], DataLoader], steps: int,
+                     gpt: bool) -> float:
+    """The model split by hand into 2 stages in this one process (the MLP: input and first half, second half and
+    head; the GPT: embeddings and first half, second half, norm and head), torch.distributed.pipelining's interleaved
+    1F1B over 8 micro-batches, the module's own optimizer."""
     import torch.distributed as dist
     from torch.distributed.pipelining import PipelineStage, ScheduleInterleaved1F1B
 
     torch.manual_seed(0)
     module = make().to(S.device)
     half = len(module.blocks) // 2
-    parts = [nn.Sequential(module.inp, *module.blocks[:half]), nn.Sequential(*module.blocks[half:], module.head)]
+    if gpt:
+        parts: list[nn.Module] = [_GPTFront(module, list(module.blocks[:half])),
+                                  _GPTBack(module, list(module.blocks[half:]))]
+
+        def loss_fn(logits: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+            return F.cross_entropy(logits.reshape(-1, logits.shape[-1]), target.reshape(-1))
+    else:
+        parts = [nn.Sequential(module.inp, *module.blocks[:half]), nn.Sequential(*module.blocks[half:], module.head)]
+        loss_fn = F.mse_loss
     created = not dist.is_initialized()
     if created:
         dist.init_process_group("gloo" if S.cpu else "nccl", store=dist.HashStore(), rank=0, world_size=1,
                                 device_id=None if S.cpu else S.device)
     try:
         stages = [PipelineStage(part, index, 2, S.device) for index, part in enumerate(parts)]
-        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=8, loss_fn=F.mse_loss)
-        optimizer = torch.optim.SGD(module.parameters(), lr=1e-4, momentum=0.9)
+        schedule = ScheduleInterleaved1F1B(stages, n_microbatches=8, loss_fn=loss_fn)
+        optimizer = module.configure_optimizers()
         marks = []
-        for index, (x, y) in enumerate(data()):
+        for index, batch in enumerate(data()):
             synchronize()
             marks.append(time.perf_counter())
             if index == steps:
                 break
+            x, y = (batch[:, :-1], batch[:, 1:]) if gpt else batch
             schedule.step(x.to(S.device), target=y.to(S.device))
             optimizer.step()
             optimizer.zero_grad()
@@ -512,6 +553,7 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--cpu", action="store_true", help="run on the CPU with small models (CI)")
     parser.add_argument("--budget", type=float, default=420.0, help="seconds for all checks (default 420)")
+    parser.add_argument("--grace", type=float, default=GRACE_S, help=argparse.SUPPRESS)
     parser.add_argument("-k", dest="only", default="", help="run only the checks whose name contains this")
     args = parser.parse_args(argv)
 
@@ -531,7 +573,8 @@ def main(argv: list[str] | None = None) -> int:
             versions[name] = __import__(name).__version__
         except ImportError:
             versions[name] = "absent"
-    device = "cpu" if args.cpu else f"{torch.cuda.get_device_name(0)} (capability {torch.cuda.get_device_capability(0)})"
+    device = "cpu" if args.cpu else (f"{torch.cuda.get_device_name(0)} "
+                                     f"(capability {torch.cuda.get_device_capability(0)})")
     print("VERSIONS " + " ".join(f"{k}={v}" for k, v in versions.items()), flush=True)
     print(f"DEVICE {device}", flush=True)
 
@@ -548,24 +591,25 @@ def main(argv: list[str] | None = None) -> int:
     started = time.monotonic()
     current: dict[str, Any] = {"index": 0}
     lock = threading.Lock()
+    stdout = sys.stdout  # a running check's output is redirected; the report lines are not
 
     def report(name: str, outcome: str, detail: str) -> None:
         with lock:
             counts[outcome] += 1
-            print(f"CHECK {name} {outcome} {detail}", flush=True)
+            print(f"CHECK {name} {outcome} {detail}", file=stdout, flush=True)
 
     def summary() -> str:
         return f"gpu_check: {counts['PASS']} passed, {counts['FAIL']} failed, {counts['SKIP']} skipped"
 
     def watchdog() -> None:  # a check hung past the budget: report it and the rest, then end the process
         index = current["index"]
-        report(selected[index][0], "FAIL", f"still running after the budget of {args.budget:.0f} s + {GRACE_S:.0f} s")
+        report(selected[index][0], "FAIL", f"still running after the budget of {args.budget:g} s + {args.grace:g} s")
         for name, _ in selected[index + 1:]:
             report(name, "SKIP", "time budget spent")
-        print(summary(), flush=True)
+        print(summary(), file=stdout, flush=True)
         os._exit(1)
 
-    timer = threading.Timer(args.budget + GRACE_S, watchdog)
+    timer = threading.Timer(args.budget + args.grace, watchdog)
     timer.daemon = True
     timer.start()
     with quiet():

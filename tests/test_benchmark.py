@@ -27,3 +27,19 @@ def test_compare_measures_every_runner_and_writes_markdown_and_json(tmp_path: Pa
     assert report["meta"]["device"] == "cpu" and report["meta"]["stages"] == [2]
     markdown = (tmp_path / "compare.md").read_text()
     assert markdown.startswith("Measured on ") and markdown.count("\n| MLP 8x32") == len(report["rows"])
+
+
+@pytest.mark.timeout(300)
+def test_compare_runs_every_pipeline_in_one_process(tmp_path: Path) -> None:
+    """--one-process (the default on --device cuda with one GPU): each pipeline's stages held by one process, for
+    lightning_pp and torch.distributed.pipelining alike; the ideal is the single process's step."""
+    report = run_compare(tmp_path, "--one-process", "--stages", "2", "--device", "cpu",
+                         "--runners", "single", "torch", "lightning")
+    assert report["meta"]["one_process_per_pipeline"] and report["meta"]["replicas"] == [1]
+    pipelines = [row for row in report["rows"] if row["stages"] == 2]
+    assert {row["runner"] for row in pipelines} == {"torch.distributed.pipelining", "lightning_pp"}
+    assert {row["schedule"] for row in pipelines} == {"interleaved_1f1b"}
+    for row in pipelines:
+        assert row["step_s"]["n"] == 2 and row["efficiency"] is not None, row
+        assert len(row["peak_saved_bytes"]) == 1, row  # one process
+    assert "one process per pipeline" in (tmp_path / "compare.md").read_text()
