@@ -16,7 +16,7 @@ from torch.distributed.tensor import DTensor
 from torch.optim import Optimizer
 
 from lightning_pp import _compat
-from lightning_pp._device import synchronize_device
+from lightning_pp._device import synchronize_stream
 from lightning_pp.sharding import local, placed_like, sharded_over_replicas
 from lightning_pp.topology import StageGroups
 
@@ -114,16 +114,18 @@ class PipelineGradients:
         parameter whose gradient exists on one rank only gets zeros elsewhere. Every rank runs its collectives in
         one global order of the holding position sets, so no two ranks wait on each other in opposite orders.
 
-        Returns the milliseconds it took when ``timed`` (the device's queue emptied before and after, so the clock
-        reads the collectives alone), else 0.
+        Returns the milliseconds it took when ``timed`` (the current stream's queue emptied before and after, so the
+        clock reads the collectives alone: the stream waits for them), else 0. Not the whole device's: that would wait
+        for NCCL's streams too, where ``pipedream_2bw``'s last send of the step waits for the peer's next step, which
+        the peer may start only after these collectives, which wait for this rank.
         """
         if not timed:
             self._synchronize(params)
             return 0.0
-        synchronize_device(self.device)
+        synchronize_stream(self.device)
         started = time.perf_counter()
         self._synchronize(params)
-        synchronize_device(self.device)
+        synchronize_stream(self.device)
         return 1e3 * (time.perf_counter() - started)
 
     def _synchronize(self, params: Iterable[nn.Parameter]) -> None:

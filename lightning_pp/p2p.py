@@ -269,7 +269,7 @@ class StageP2P:
             raise self._error(action, "posting the send", error) from error
         polled = self._poll and not on_host
         if polled:
-            works = [self._as_nccl(work) for work in works]
+            works = [self._as_nccl(work, action) for work in works]
         self._pending_sends.append((action, works, [buffer for buffer, _ in messages], polled))
 
     def _reap_sends(self) -> None:
@@ -369,7 +369,8 @@ class StageP2P:
         posted: list[tuple[list[tuple[Action, dist.P2POp]], list[dist.Work]]] = []
         for entries in by_group.values():
             try:
-                works = [self._as_nccl(_posted(w)) for w in dist.batch_isend_irecv([op for _, op in entries])]
+                works = [self._as_nccl(_posted(w), *(a for a, _ in entries))
+                         for w in dist.batch_isend_irecv([op for _, op in entries])]
             except RuntimeError as error:
                 raise self._error(entries[0][0], "posting the transfers", error) from error
             posted.append((entries, works))
@@ -450,11 +451,15 @@ class StageP2P:
             work = _posted(dist.irecv(buffer, self.stage_ranks[action.peer], group=self._group_of(action), tag=tag))
         except RuntimeError as error:
             raise self._error(action, "posting the receive", error) from error
-        return self._as_nccl(work) if self._poll else work
+        return self._as_nccl(work, action) if self._poll else work
 
-    def _as_nccl(self, work: dist.Work) -> dist.Work:
-        """A payload operation as NCCL's behaves (under the emulation; else ``work`` itself)."""
-        return EmulatedNcclWork(work, self.timeout) if self._emulate else work  # type: ignore[return-value]
+    def _as_nccl(self, work: dist.Work, *actions: Action) -> dist.Work:
+        """A payload operation of ``actions`` as NCCL's behaves (under the emulation; else ``work`` itself)."""
+        if not self._emulate:
+            return work
+        peers = sorted({self.stage_ranks[a.peer] for a in actions})
+        what = f"the payloads of {', '.join(dict.fromkeys(map(str, actions)))} (peer rank {', '.join(map(str, peers))})"
+        return EmulatedNcclWork(work, self.timeout, what)  # type: ignore[return-value]
 
     def _wait(self, work: dist.Work, action: Action, what: str, polled: bool) -> None:
         """Wait for ``work``, at most ``timeout`` seconds: ``polled`` (NCCL's payloads, whose ``wait`` does not

@@ -9,6 +9,7 @@ from typing import Any
 
 import torch
 
+from lightning_pp._device import synchronize_stream
 from lightning_pp._tree import flatten, map_tensors
 from lightning_pp.actions import Action, ActionType, Schedule
 from lightning_pp.backward import WeightGradients, backward_input, backward_weight
@@ -33,7 +34,16 @@ def _needing_grad(obj: Any) -> list[torch.Tensor]:
 
 
 class HostClock:
-    """Timestamps of a stage whose work runs on the host as it is issued (CPU): ``time.perf_counter``."""
+    """Timestamps of a stage whose work runs on the host as it is issued (CPU): ``time.perf_counter``.
+
+    ``synchronize`` is called where a device's clock waits for its stream (at construction and in :meth:`finish`):
+    nothing on a plain CPU run; under NCCL's emulation it stands in for the device (see :mod:`lightning_pp._device`),
+    so a timed step waits there for what a GPU's would."""
+
+    def __init__(self, synchronize: Callable[[], None] | None = None) -> None:
+        self._synchronize = synchronize
+        if synchronize is not None:
+            synchronize()
 
     def now(self) -> Any:
         return time.perf_counter()
@@ -44,22 +54,27 @@ class HostClock:
 
     def finish(self) -> None:
         """Called once after the step, before :meth:`seconds`."""
+        if self._synchronize is not None:
+            self._synchronize()
 
 
 class EventClock(HostClock):
     """Timestamps of an asynchronous device (CUDA): events recorded on the current stream, read once per step.
 
     A host clock read would only time the launch of a kernel, and synchronising around every action would stop the
-    host from queueing work ahead and so change what is measured. Two synchronisations per timed step are needed
-    instead. The first, at construction, empties the device queue so that a reference event runs when it is recorded:
-    that ties device time to host time, and host-side stamps (when a header arrived) land on the same axis. The second,
-    in :meth:`finish`, waits for every recorded event so their times can be read.
+    host from queueing work ahead and so change what is measured. Two synchronisations of the current stream per
+    timed step are needed instead (``synchronize``), never of the whole device: that would also wait for NCCL's
+    streams, where a pipeline's last send of a step may wait for the peer's next step, which the peer starts only
+    once this rank's host has handed it something (a deadlock). The first, at construction, empties the stream's queue
+    so that a reference event runs when it is recorded: that ties device time to host time, and host-side stamps
+    (when a header arrived) land on the same axis. The second, in :meth:`finish`, waits for every event recorded on
+    the stream (all of them: the runtime records them outside any stream the user's code picks) so their times can be
+    read.
     """
 
     def __init__(self, new_event: Callable[[], Any], synchronize: Callable[[], None]) -> None:
         self._new_event = new_event
-        self._synchronize = synchronize
-        synchronize()
+        super().__init__(synchronize)
         self._reference = self.now()
         self._reference_host = time.perf_counter()
 
@@ -73,15 +88,12 @@ class EventClock(HostClock):
             return stamp
         return self._reference_host + self._reference.elapsed_time(stamp) / 1e3
 
-    def finish(self) -> None:
-        self._synchronize()
-
 
 def step_clock(device: torch.device) -> HostClock:
-    """The clock that times a step on ``device``."""
+    """The clock that times a step on ``device``; it waits for the current stream only (see :class:`EventClock`)."""
     if device.type == "cuda":
-        return EventClock(lambda: torch.cuda.Event(enable_timing=True), lambda: torch.cuda.synchronize(device))
-    return HostClock()
+        return EventClock(lambda: torch.cuda.Event(enable_timing=True), lambda: synchronize_stream(device))
+    return HostClock(lambda: synchronize_stream(device))
 
 
 _Key = tuple[int, int]  # (stage, micro-batch)

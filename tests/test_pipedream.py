@@ -166,6 +166,61 @@ def test_fewer_microbatches_than_ranks_is_refused_before_any_collective() -> Non
         PipelineOptions(schedule="pipedream_2bw").check_world(1, 1, 1)
 
 
+class _FakeStream:
+    """One CUDA stream: its events complete in order, once the host waits for the stream or for a later event."""
+
+    def __init__(self) -> None:
+        self.recorded = self.completed = self.synchronized = 0
+
+    def synchronize(self) -> None:
+        self.synchronized += 1
+        self.completed = self.recorded
+
+
+class _FakeEvent:
+    def __init__(self, stream: _FakeStream) -> None:
+        self.stream, self.number = stream, -1
+
+    def record(self) -> None:
+        self.stream.recorded += 1
+        self.number = self.stream.recorded
+
+    def synchronize(self) -> None:
+        self.stream.completed = max(self.stream.completed, self.number)
+
+    def elapsed_time(self, end: _FakeEvent) -> float:
+        assert max(self.number, end.number) <= self.stream.completed, "an event read before it completed"
+        return float(end.number - self.number)
+
+
+def test_a_timed_step_waits_for_its_stream_never_the_whole_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Finding 3 of issue 37: a timed step's clock and the timed gradient sync called ``torch.cuda.synchronize()``,
+    which also waits for NCCL's streams, where pipedream_2bw's last send of a step waits for the peer's next step (a
+    deadlock with PipelineMonitor attached). They wait for the current stream now, and still read every event only
+    once it has completed."""
+    from lightning_pp.grads import PipelineGradients
+    from lightning_pp.runtime import step_clock
+    from lightning_pp.topology import PipelineLayout, StageGroups
+
+    def device_wide(device: object = None) -> None:
+        raise AssertionError("torch.cuda.synchronize: waits for every stream, NCCL's too")
+
+    stream = _FakeStream()
+    monkeypatch.setattr(torch.cuda, "synchronize", device_wide)
+    monkeypatch.setattr(torch.cuda, "current_stream", lambda device=None: stream)
+    monkeypatch.setattr(torch.cuda, "Event", lambda enable_timing=False: _FakeEvent(stream))
+    cuda = torch.device("cuda", 0)
+    clock = step_clock(cuda)
+    stamps = [clock.now() for _ in range(3)]
+    clock.finish()
+    assert [clock.seconds(stamp) - clock.seconds(stamps[0]) for stamp in stamps] == pytest.approx([0, 1e-3, 2e-3])
+    assert stream.synchronized == 2  # at the start (the reference event) and to read the events
+    layout = PipelineLayout(1, 1)
+    groups = StageGroups(layout, 0, None, (), None, [], 0)
+    assert PipelineGradients([], groups, cuda).synchronize([], timed=True) >= 0.0
+    assert stream.synchronized == 4  # before and after the collectives
+
+
 # ------------------------------------------------------------------------------------------------ multi-process
 
 
