@@ -228,7 +228,7 @@ def stuck_at_step(model: str, rank_to_hang: int, step: int, **strategy: Any) -> 
 
 
 def monitored(model: str, schedule: str, microbatches: int, log_dir: str | None, max_steps: int = 3,
-              timeline_every_n_steps: int = 2, **strategy: Any) -> dict[str, Any]:
+              timeline_every_n_steps: int = 2, timeout: float = 60, **strategy: Any) -> dict[str, Any]:
     """Train with a PipelineMonitor measuring every step; return its history (rank 0) and the bytes of each parameter
     this rank's module holds after training, by name (a tied weight once)."""
     import lightning as L
@@ -248,7 +248,7 @@ def monitored(model: str, schedule: str, microbatches: int, log_dir: str | None,
 
     trainer = L.Trainer(
         accelerator="cpu", devices=WORLD_SIZE, max_steps=max_steps, log_every_n_steps=1,
-        strategy=PipelineParallelStrategy(schedule=schedule, microbatches=microbatches, timeout=60, **strategy),
+        strategy=PipelineParallelStrategy(schedule=schedule, microbatches=microbatches, timeout=timeout, **strategy),
         logger=TensorBoardLogger(log_dir, name="tb") if log_dir else False, callbacks=[monitor, HeldSends()],
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )

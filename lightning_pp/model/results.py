@@ -41,6 +41,7 @@ from torch import Tensor
 
 from lightning_pp._compat import tree_flatten, tree_unflatten
 from lightning_pp._logs import LogRecord, RecordLayout, join_records, split_records
+from lightning_pp._nccl_emulation import emulating_nccl
 from lightning_pp._tree import pack, packed_size, unpack
 from lightning_pp.topology import StageGroups
 
@@ -146,7 +147,8 @@ class ResultExchange:
         self.group = groups.pipeline
         self.source = groups.last_stage_rank
         self.is_source = dist.get_rank() == self.source
-        self.on_host = dist.get_backend(self.group) == "gloo"
+        # NCCL's emulation takes the branch of a real NCCL run (see lightning_pp._nccl_emulation)
+        self.on_host = dist.get_backend(self.group) == "gloo" and not emulating_nccl()
         self.device = torch.device("cpu") if self.on_host else device
         self._others = [rank for rank in dist.get_process_group_ranks(self.group) if rank != self.source]
         self._posted: tuple[Tensor, dist.Work] | None = None  # the next message's receive (gloo, not the source)
