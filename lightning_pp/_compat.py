@@ -119,9 +119,12 @@ def split_backward_applies(outputs: list[torch.Tensor], inputs: list[torch.Tenso
 
 
 def _several_outputs(node: Any) -> bool:
-    """Whether the autograd node stands for an operation with more than one output (``split``, ``chunk``, an RNN)."""
-    metadata = getattr(node, "_input_metadata", None)  # one entry per forward output
-    return metadata is None or len(metadata) > 1
+    """Whether the autograd node stands for an operation with more than one output (``split``, ``chunk``, an RNN),
+    or may (torch 2.11 refuses to show a custom ``autograd.Function``'s)."""
+    try:
+        return len(node._input_metadata) > 1  # one entry per forward output
+    except (AttributeError, RuntimeError):
+        return True
 
 
 def backward_input(outputs: list[torch.Tensor], output_grads: list[torch.Tensor] | None,
@@ -343,10 +346,13 @@ def reduce_fsdp_grads(module: Any) -> None:
 
 
 def fsdp_param_groups(state: Any) -> list[Any]:
-    """The parameter groups of one FSDP2 state: a list from torch 2.12 on (a module may hold several), at most one
-    before (``_fsdp_param_group``, None for a unit without parameters of its own)."""
-    if TORCH_VERSION >= (2, 12):
-        return list(state._fsdp_param_groups)
+    """The parameter groups of one FSDP2 state: a list (``_fsdp_param_groups``; a module may hold several) in torch
+    2.12 and later, at most one before (``_fsdp_param_group``, None for a unit without parameters of its own). Told
+    apart by the attribute, not the version: a torch built between releases (the lent GPU machine's ``2.11.0+cu130``)
+    already has the list."""
+    groups = getattr(state, "_fsdp_param_groups", None)
+    if groups is not None:
+        return list(groups)
     group = state._fsdp_param_group
     return [group] if group is not None else []
 

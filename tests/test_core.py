@@ -215,18 +215,17 @@ def test_declared_torch_minimum_is_the_one_checked() -> None:
     _compat.check_torch_version("2.7.1")
 
 
-def test_fsdp_param_groups_of_a_state_before_and_after_torch_2_12(monkeypatch: pytest.MonkeyPatch) -> None:
+def test_fsdp_param_groups_of_a_state_before_and_after_torch_2_12() -> None:
     """torch 2.12 turned an FSDP2 state's one parameter group (``_fsdp_param_group``, None without parameters) into a
-    list (``_fsdp_param_groups``)."""
+    list (``_fsdp_param_groups``, which 2.13 prefers, keeping the other as a property)."""
     from types import SimpleNamespace
 
     from lightning_pp import _compat
 
-    monkeypatch.setattr(_compat, "TORCH_VERSION", (2, 11))
     assert _compat.fsdp_param_groups(SimpleNamespace(_fsdp_param_group="group")) == ["group"]
     assert _compat.fsdp_param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
-    monkeypatch.setattr(_compat, "TORCH_VERSION", (2, 13))
-    assert _compat.fsdp_param_groups(SimpleNamespace(_fsdp_param_groups=["a", "b"])) == ["a", "b"]
+    both = SimpleNamespace(_fsdp_param_groups=["a", "b"], _fsdp_param_group="a")
+    assert _compat.fsdp_param_groups(both) == ["a", "b"]
 
 
 class _TwoOutputs(torch.autograd.Function):
