@@ -347,9 +347,9 @@ def reduce_fsdp_grads(module: Any) -> None:
 
 def fsdp_param_groups(state: Any) -> list[Any]:
     """The parameter groups of one FSDP2 state: a list (``_fsdp_param_groups``; a module may hold several) in torch
-    2.12 and later, at most one before (``_fsdp_param_group``, None for a unit without parameters of its own). Told
-    apart by the attribute, not the version: a torch built between releases (the lent GPU machine's ``2.11.0+cu130``)
-    already has the list."""
+    2.12 and later, at most one before (``_fsdp_param_group``, None for a unit without parameters of its own; torch
+    2.11 has only that one, as found on the lent GPU machine). Told apart by the attribute, so that a build between
+    releases works too; 2.13 keeps ``_fsdp_param_group`` as a property that refuses a state of several groups."""
     groups = getattr(state, "_fsdp_param_groups", None)
     if groups is not None:
         return list(groups)
