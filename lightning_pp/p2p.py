@@ -160,8 +160,12 @@ class StageP2P:
         prefetch: int = 2,
         header_groups: Sequence[Any] | None = None,
         mesh_of: Callable[[tuple[str, ...]], Any] | None = None,
+        results_group: Any = None,
     ) -> None:
         self.stage_ranks = list(stage_ranks)
+        # the lane's gloo group beside NCCL's (or its emulation's) groups, for the step's results (see
+        # lightning_pp.model.results); None where the lane's groups are gloo
+        self.results_group = results_group
         self.mesh_of = mesh_of
         self.device = device
         self.timeout = timeout
@@ -497,15 +501,17 @@ def connect_stages(groups: StageGroups, stage_to_rank: Sequence[int], device: to
     """The transfers of this rank's stages (``stage_to_rank``: the schedule's place of each stage in the pipeline)
     over ``groups.p2p``. On NCCL (or its emulation) the headers travel on the host, in gloo groups of their own made
     with ``new_gloo_group`` (every rank creates them alike; they join ``groups.created``), after a warm-up collective
-    on each payload group: ``batch_isend_irecv`` needs a group's first call to involve all its ranks."""
+    on each payload group: ``batch_isend_irecv`` needs a group's first call to involve all its ranks. The lane's
+    gloo group made with them is the step's results' (:attr:`StageP2P.results_group`)."""
     stage_ranks = [groups.pipeline_ranks[position] for position in stage_to_rank]
     header_groups = None
+    results_group = None
     if dist.get_backend(groups.p2p[0]) != "gloo" or emulating_nccl():
         for group in groups.p2p:
             dist.all_reduce(torch.zeros(1, device=device), group=group)
         on_host = create_groups(groups.layout, groups.rank, new_gloo_group, p2p_groups=len(groups.p2p))
         groups.created.extend(on_host.created)
-        header_groups = on_host.p2p
+        header_groups, results_group = on_host.p2p, on_host.pipeline
     mesh = create_device_mesh(groups.layout, device.type)  # made at the start (cached): no collective
     return StageP2P(stage_ranks, device, timeout, groups.p2p, header_groups=header_groups,
-                    mesh_of=lambda dims: mesh[dims if len(dims) > 1 else dims[0]])
+                    mesh_of=lambda dims: mesh[dims if len(dims) > 1 else dims[0]], results_group=results_group)

@@ -228,9 +228,10 @@ def stuck_at_step(model: str, rank_to_hang: int, step: int, **strategy: Any) -> 
 
 
 def monitored(model: str, schedule: str, microbatches: int, log_dir: str | None, max_steps: int = 3,
-              timeline_every_n_steps: int = 2, timeout: float = 60, **strategy: Any) -> dict[str, Any]:
-    """Train with a PipelineMonitor measuring every step; return its history (rank 0) and the bytes of each parameter
-    this rank's module holds after training, by name (a tied weight once)."""
+              timeline_every_n_steps: int = 2, timeout: float = 60, logging_interval: int = 1,
+              **strategy: Any) -> dict[str, Any]:
+    """Train with a PipelineMonitor measuring every ``logging_interval``-th step; return its history (rank 0) and the
+    bytes of each parameter this rank's module holds after training, by name (a tied weight once)."""
     import lightning as L
     from lightning.pytorch.loggers import TensorBoardLogger
     from models import MODELS, make_data
@@ -238,7 +239,7 @@ def monitored(model: str, schedule: str, microbatches: int, log_dir: str | None,
     from lightning_pp import PipelineMonitor
 
     L.seed_everything(0, verbose=False)
-    monitor = PipelineMonitor(logging_interval=1, timeline_every_n_steps=timeline_every_n_steps,
+    monitor = PipelineMonitor(logging_interval=logging_interval, timeline_every_n_steps=timeline_every_n_steps,
                               trace_dir=f"{log_dir}/traces" if log_dir else None)
     held: list[int] = []  # after each batch end: the monitor's sends of rows still held (not reaped)
 
@@ -463,8 +464,11 @@ def train_real_ddp(model: str) -> dict[str, Any]:
 
 def result_exchange(steps: int) -> list[dict[str, Any]]:
     """The pipeline's last stage (rank 1) sends ``models.step_outputs(step)`` for each step, and 20 logged numbers;
-    every other step without outputs. Return, per step, what arrived and how many pickled broadcasts it took."""
-    import torch
+    every other step without outputs. Return, per step, what arrived and how many pickles it took on this rank."""
+    import pickle
+    from collections.abc import Callable
+    from types import SimpleNamespace
+
     import torch.distributed as dist
     from models import step_outputs
 
@@ -473,17 +477,19 @@ def result_exchange(steps: int) -> list[dict[str, Any]]:
 
     dist.init_process_group("gloo", rank=GLOBAL_RANK, world_size=WORLD_SIZE)
     pickled = 0
-    broadcast_object_list = dist.broadcast_object_list
 
-    def counting(*args: Any, **kwargs: Any) -> None:
-        nonlocal pickled
-        pickled += 1
-        broadcast_object_list(*args, **kwargs)
+    def counting(real: Callable[[Any], Any]) -> Callable[[Any], Any]:
+        def counted(obj: Any) -> Any:
+            nonlocal pickled
+            pickled += 1
+            return real(obj)
+        return counted
 
-    results.dist.broadcast_object_list = counting  # type: ignore[attr-defined]
+    # the source pickles (dumps) what the others unpickle (loads): each side counts its own
+    results.pickle = SimpleNamespace(dumps=counting(pickle.dumps), loads=counting(pickle.loads))  # type: ignore
     try:
         groups = create_groups(PipelineLayout(WORLD_SIZE, 1), GLOBAL_RANK, lambda ranks: dist.new_group(ranks))
-        exchange = results.ResultExchange(groups, torch.device("cpu"))
+        exchange = results.ResultExchange(groups)
         arrived = []
         for step in range(steps):
             for send in (True, False):
@@ -492,7 +498,7 @@ def result_exchange(steps: int) -> list[dict[str, Any]]:
                 loss, logged, outputs, _ = exchange.share(0.5 + step, records, step_outputs(step), send)
                 arrived.append({"loss": loss, "logged": logged, "outputs": outputs, "pickled": pickled})
     finally:
-        results.dist.broadcast_object_list = broadcast_object_list  # type: ignore[attr-defined]
+        results.pickle = pickle  # type: ignore[attr-defined]
         dist.destroy_process_group()
     return arrived
 

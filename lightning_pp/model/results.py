@@ -1,15 +1,20 @@
 """What a pipelined step's last stage hands the pipeline's other stages, so that every stage returns what one device
 returns: the loss, the ``self.log`` calls, and the step's outputs where something reads them.
 
-Numbers travel in one fixed-size float64 message: the training loss, flags, and the first :data:`_INLINE` logged
-numbers (more numbers follow in a second tensor). On gloo the other stages post its receive when their step starts
-(:meth:`ResultExchange.expect`) and the last stage sends it point to point, so the first stage, which finishes the step
-last, finds it waiting instead of meeting the source in a broadcast; elsewhere (NCCL, where a receive posted early
-would hold back the collectives queued behind it) it is broadcast. Outputs (what an evaluation or predict step
-returned, the other entries of a dict a training step returned) travel as tensors: their tensors packed into one byte
-buffer, and their structure (containers, plain values, each tensor's dtype and shape) pickled only when it differs
-from the previous step's. The names and options of the log records are likewise pickled only when they change. So a
-step whose outputs look like the previous step's costs one or two messages and no pickle.
+Everything travels point to point on the host, in a gloo group of the lane (on NCCL, and under its emulation, one
+made beside the NCCL groups): numbers in one fixed-size float64 message (the training loss, flags, and the first
+:data:`_INLINE` logged numbers), whose receive the other stages post when their step starts
+(:meth:`ResultExchange.expect`), and what the message says follows it. The last stage sends everything at once and
+waits for none of it until its next step, so no stage meets another at the step's end: the first stage, which
+finishes the step last, finds it waiting, and ``pipedream_2bw``'s last stage sends it after its last forward, so
+the other stages end their step without waiting for its backwards. On NCCL that also keeps the results out of the
+device's queues: a broadcast on the lane's NCCL group at the step's end held the first stage until the last stage's
+step ended, which, on a timed step, waited for a send the first stage receives only in its next step (a deadlock),
+and ranks entered two communicators in different orders. What follows the message: logged numbers beyond the first
+:data:`_INLINE`; the names and options of the log records, pickled, when they change; and outputs (what an evaluation
+or predict step returned, the other entries of a dict a training step returned), as tensors packed into one byte
+buffer, their structure (containers, plain values, each tensor's dtype and shape) pickled only when it differs from
+the previous step's. So a step whose outputs look like the previous step's costs one or two messages and no pickle.
 
 Outputs travel only when something on some stage reads them (:func:`outputs_read`): ``trainer.predict`` returning
 its predictions, a prediction writer, or a batch-end hook of a callback or the LightningModule that is not one of
@@ -20,6 +25,7 @@ stage that gets none returns ``None`` (training: the loss alone), which those ho
 from __future__ import annotations
 
 import math
+import pickle
 from dataclasses import dataclass
 from typing import Any
 
@@ -53,7 +59,8 @@ _MESSAGE_LEN = 3 + _INLINE
 # flags: the records' layout follows (pickled); outputs follow; their structure follows (pickled)
 _LAYOUT, _OUTPUTS, _STRUCTURE, _AGAIN = 1, 2, 4, 8  # _AGAIN: the step runs again, eagerly (see model/eager.py)
 _PLAIN = (type(None), bool, int, float, str)
-_MESSAGE_TAG = 7  # the message's tag on gloo (the lane's results group carries no other point-to-point message)
+# tags of the fixed-size message and of what follows it (the results' group carries no other point-to-point message)
+_MESSAGE_TAG, _FOLLOWING_TAG = 7, 8
 
 _BATCH_END = {"training_step": "on_train_batch_end", "validation_step": "on_validation_batch_end",
               "test_step": "on_test_batch_end", "predict_step": "on_predict_batch_end"}
@@ -129,70 +136,64 @@ def _same(structure: _Flat, previous: _Flat) -> bool:
 
 @dataclass
 class _Outgoing:
-    """What the source sends of one step (see :meth:`ResultExchange.post`)."""
+    """What the source sent of one step (see :meth:`ResultExchange.post`)."""
 
     loss: float
     layout: list[RecordLayout]
     numbers: list[float]
     flags: int
-    structure: _Flat | None
-    tensors: list[Tensor]
-    message: Tensor
+    outputs: Any
 
 
 class ResultExchange:
-    """Sends what a step's last stage produced to the pipeline's other stages (see the module's docstring)."""
+    """Sends what a step's last stage produced to the pipeline's other stages, point to point on the host (see the
+    module's docstring). ``host_group``: the lane's gloo group where ``groups.pipeline`` is not gloo (NCCL) or NCCL is
+    emulated, as :attr:`~lightning_pp.p2p.StageP2P.results_group`."""
 
-    def __init__(self, groups: StageGroups, device: torch.device) -> None:
-        self.group = groups.pipeline
+    def __init__(self, groups: StageGroups, host_group: Any = None) -> None:
+        # NCCL, and its emulation (which must decide alike): not on the lane's NCCL group, where a broadcast at the
+        # step's end would wait for the last stage and queue behind (or ahead of) the pipeline's pending transfers
+        on_nccl = dist.get_backend(groups.pipeline) != "gloo" or emulating_nccl()
+        group = host_group if on_nccl else groups.pipeline
+        if group is None or dist.get_backend(group) != "gloo":
+            raise ValueError(
+                f"ResultExchange needs a gloo group of the lane's ranks {groups.pipeline_ranks}: the pipeline's group "
+                f"is {dist.get_backend(groups.pipeline)!r} and host_group is "
+                f"{'missing' if group is None else repr(dist.get_backend(group))}. Pass connect_stages(...)."
+                f"results_group as host_group.")
+        self.group = group
         self.source = groups.last_stage_rank
         self.is_source = dist.get_rank() == self.source
-        # NCCL's emulation takes the branch of a real NCCL run (see lightning_pp._nccl_emulation)
-        self.on_host = dist.get_backend(self.group) == "gloo" and not emulating_nccl()
-        self.device = torch.device("cpu") if self.on_host else device
         self._others = [rank for rank in dist.get_process_group_ranks(self.group) if rank != self.source]
-        self._posted: tuple[Tensor, dist.Work] | None = None  # the next message's receive (gloo, not the source)
+        self._posted: tuple[Tensor, dist.Work] | None = None  # the next message's receive (not on the source)
+        # the source: what it sent and has not waited for yet (each buffer kept until its send has completed)
+        self._sending: list[tuple[dist.Work, Tensor]] = []
         # the previous step's record layout and output structure, the same on every stage
         self._layout: list[RecordLayout] = []
         self._structure: _Flat | None = None
 
     def agree(self, wanted: bool) -> bool:
         """Whether any stage of the pipeline wants something (every stage calls this)."""
-        flag = torch.tensor([float(wanted)], device=self.device)
+        flag = torch.tensor([float(wanted)])
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item())
 
     def expect(self) -> None:
-        """Post the receive of the next step's message (gloo, not on the source; call when the step starts)."""
-        if self.on_host and not self.is_source and self._posted is None:
-            message = torch.empty(_MESSAGE_LEN, dtype=torch.float64, device="cpu")
+        """Post the receive of the next step's message (not on the source; call when the step starts)."""
+        if not self.is_source and self._posted is None:
+            message = torch.empty(_MESSAGE_LEN, dtype=torch.float64)
             work = dist.irecv(message, self.source, group=self.group, tag=_MESSAGE_TAG)
             assert work is not None  # this rank is in the group
             self._posted = message, work
 
-    def _exchange_message(self, message: Tensor) -> Tensor:
-        """The source's ``message`` as every stage receives it."""
-        if not self.on_host:
-            dist.broadcast(message, self.source, group=self.group)
-            return message
-        if self.is_source:
-            works = [dist.isend(message, rank, group=self.group, tag=_MESSAGE_TAG) for rank in self._others]
-            for work in works:
-                assert work is not None
-                work.wait()  # at once: every other stage posted its receive when its step started
-            return message
-        self.expect()  # (posted already, unless the step did not start through expect)
-        assert self._posted is not None
-        message, work = self._posted
-        self._posted = None
-        work.wait()
-        return message
-
     def post(self, loss: float | None, records: list[LogRecord], outputs: Any, send_outputs: bool,
              again: bool = False) -> _Outgoing:
-        """On the source: what :meth:`share` sends, its fixed-size message already on its way where it travels
-        point to point (gloo); the rest follows in :meth:`share`. A step that knows its results before its schedule
-        ends (``pipedream_2bw``'s last stage, after its last forward) posts them then."""
+        """On the source: send what :meth:`share` returns everywhere, at once and without waiting (the sends complete
+        when the other stages receive them, at the latest at their step's end). A step that knows its results before
+        its schedule ends (``pipedream_2bw``'s last stage, after its last forward) posts them then, so the other stages
+        end their step without waiting for the last stage's."""
+        for sent, _ in self._sending:  # the previous step's: every other stage received them by its end
+            sent.wait()
         layout, numbers = split_records(records)
         structure: _Flat | None = None
         tensors: list[Tensor] = []
@@ -202,52 +203,63 @@ class ResultExchange:
             flags |= _OUTPUTS if self._structure is not None and _same(structure, self._structure) \
                 else _OUTPUTS | _STRUCTURE
         head = [math.nan if loss is None else loss, float(flags), float(len(numbers)), *numbers[:_INLINE]]
-        message = torch.tensor(head + [0.0] * (_MESSAGE_LEN - len(head)), dtype=torch.float64, device=self.device)
-        if self.on_host:
-            self._exchange_message(message)
-        return _Outgoing(math.nan if loss is None else loss, layout, numbers, flags, structure, tensors, message)
+        buffers = [(torch.tensor(head + [0.0] * (_MESSAGE_LEN - len(head)), dtype=torch.float64), _MESSAGE_TAG)]
+        # what follows, in this order, where the message's flags and count say so
+        if len(numbers) > _INLINE:
+            buffers.append((torch.tensor(numbers[_INLINE:], dtype=torch.float64), _FOLLOWING_TAG))
+        if flags & (_LAYOUT | _STRUCTURE):
+            # the structure travels rebuilt, not flattened: unpickling a flattened description warns
+            rebuilt = tree_unflatten(*structure) if structure is not None and flags & _STRUCTURE else None
+            pickled = self._pickle((layout if flags & _LAYOUT else None, rebuilt))
+            buffers += [(torch.tensor([pickled.numel()], dtype=torch.int64), _FOLLOWING_TAG),
+                        (pickled, _FOLLOWING_TAG)]
+        if flags & _OUTPUTS and tensors:
+            buffers.append((pack(tensors, torch.device("cpu")), _FOLLOWING_TAG))
+        self._sending = [(work, buffer) for rank in self._others for buffer, tag in buffers
+                         if (work := dist.isend(buffer, rank, group=self.group, tag=tag)) is not None]
+        self._layout = layout
+        if flags & _STRUCTURE:
+            self._structure = structure
+        return _Outgoing(math.nan if loss is None else loss, layout, numbers, flags, outputs)
+
+    @staticmethod
+    def _pickle(obj: Any) -> Tensor:
+        return torch.frombuffer(bytearray(pickle.dumps(obj)), dtype=torch.uint8)
 
     def share(self, loss: float | None, records: list[LogRecord], outputs: Any, send_outputs: bool,
               again: bool = False, posted: _Outgoing | None = None) -> tuple[float, list[LogRecord], Any, bool]:
         """On the source, send ``loss`` (``None``: no loss), ``records`` and, if ``send_outputs``, ``outputs``, or
-        (``again``) that the step must run again, eagerly (or what :meth:`post` took, ``posted``); elsewhere the
-        arguments are ignored (but ``send_outputs`` must be the same on every stage). Returns what the source sent,
-        on every stage: the outputs are ``None`` where they were not sent."""
+        (``again``) that the step must run again, eagerly (unless :meth:`post` sent them already: ``posted``);
+        elsewhere the arguments are ignored (but ``send_outputs`` must be the same on every stage). Returns what the
+        source sent, on every stage: the outputs are ``None`` where they were not sent."""
         if self.is_source:
             out = posted if posted is not None else self.post(loss, records, outputs, send_outputs, again)
-            if not self.on_host:
-                self._exchange_message(out.message)
-            loss, layout, numbers, flags = out.loss, out.layout, out.numbers, out.flags
-            structure, tensors, count = out.structure, out.tensors, len(out.numbers)
-        else:
-            values = self._exchange_message(torch.empty(_MESSAGE_LEN, dtype=torch.float64, device=self.device)
-                                            ).tolist()
-            loss, flags, count = values[0], int(values[1]), int(values[2])
-            layout, numbers = self._layout, values[3:3 + min(count, _INLINE)]
-            structure, tensors = None, []
+            return out.loss, join_records(out.layout, out.numbers), out.outputs, bool(out.flags & _AGAIN)
+        self.expect()  # (posted already, unless the step did not start through expect)
+        assert self._posted is not None
+        message, work = self._posted
+        self._posted = None
+        work.wait()
+        values = message.tolist()
+        loss, flags, count = values[0], int(values[1]), int(values[2])
+        numbers = values[3:3 + min(count, _INLINE)]
         if count > _INLINE:
-            more = (torch.tensor(numbers[_INLINE:], dtype=torch.float64, device=self.device) if self.is_source
-                    else torch.empty(count - _INLINE, dtype=torch.float64, device=self.device))
-            dist.broadcast(more, self.source, group=self.group)
-            if not self.is_source:
-                numbers += more.tolist()
+            numbers += self._receive(torch.empty(count - _INLINE, dtype=torch.float64)).tolist()
         if flags & (_LAYOUT | _STRUCTURE):
-            # the structure travels rebuilt, not flattened: unpickling a flattened description warns
-            rebuilt = tree_unflatten(*structure) if structure is not None and flags & _STRUCTURE else None
-            box = [(layout if flags & _LAYOUT else None, rebuilt)]
-            dist.broadcast_object_list(box, src=self.source, group=self.group)
-            sent_layout, sent_structure = box[0]
+            size = self._receive(torch.empty(1, dtype=torch.int64))
+            sent_layout, sent_structure = pickle.loads(
+                self._receive(torch.empty(int(size.item()), dtype=torch.uint8)).numpy().tobytes())
             if sent_layout is not None:
-                layout = sent_layout
+                self._layout = sent_layout
             if flags & _STRUCTURE:
-                self._structure = structure if self.is_source else tree_flatten(sent_structure)
-        self._layout = layout
-        if self.is_source:
-            if flags & _OUTPUTS and tensors:
-                dist.broadcast(pack(tensors, self.device), self.source, group=self.group)
-        else:
-            outputs = self._receive_outputs() if flags & _OUTPUTS else None
-        return loss, join_records(layout, numbers), outputs, bool(flags & _AGAIN)
+                self._structure = tree_flatten(sent_structure)
+        outputs = self._receive_outputs() if flags & _OUTPUTS else None
+        return loss, join_records(self._layout, numbers), outputs, bool(flags & _AGAIN)
+
+    def _receive(self, buffer: Tensor) -> Tensor:
+        """``buffer`` filled with the source's next following message."""
+        dist.recv(buffer, self.source, group=self.group, tag=_FOLLOWING_TAG)
+        return buffer
 
     def _receive_outputs(self) -> Any:
         assert self._structure is not None
@@ -255,8 +267,7 @@ class ResultExchange:
         layout = [(leaf.dtype, list(leaf.shape)) for leaf in leaves if isinstance(leaf, _Slot)]
         tensors: list[Tensor] = []
         if layout:
-            buffer = torch.empty(packed_size(layout), dtype=torch.uint8, device=self.device)
-            dist.broadcast(buffer, self.source, group=self.group)
+            buffer = self._receive(torch.empty(packed_size(layout), dtype=torch.uint8))
             # copies that own their memory: torch.save refuses tensors of several dtypes sharing one buffer
             tensors = [tensor.clone() for tensor in unpack(buffer, layout)]
         received = iter(tensors)

@@ -115,7 +115,8 @@ class StepDriver:
         # this step's gradients, handed to Lightning in the strategy's `backward`
         self.pending_grads: list[tuple[torch.nn.Parameter, Tensor]] = []
         self._warned_small_batch = False
-        self._exchange = ResultExchange(groups, device) if groups is not None else None
+        self._exchange = (ResultExchange(groups, p2p.results_group if p2p is not None else None)
+                          if groups is not None else None)
         self.delayed: DelayedUpdates | None = None  # schedule="pipedream_2bw": the stream between steps
         self._send_outputs: dict[str, bool] = {}  # per step name: whether the outputs go to every stage
         # the evaluation steps that passed through the blocks several times: from then on they run eagerly
@@ -225,10 +226,13 @@ class StepDriver:
 
     def _post_early(self, step: _Step) -> Callable[[], None] | None:
         """pipedream_2bw, on the last stage: once its last forward has run, the batch's loss and logged values are
-        known; posting them then (gloo), before the backwards, lets the other stages end their step without waiting
-        for the last stage's. None where the results are shared at the step's end."""
+        known; posting them then, before the backwards, lets the other stages end their step without waiting for the
+        last stage's. That matters on NCCL too: there the last stage's final send of a step waits for the first
+        stage's next step, so the first stage must not wait for anything the last stage does after it (a timed step's
+        synchronize, say). Reading the loss makes the host wait for the last forward on the device (not for the
+        transfers). None on the other stages."""
         exchange = self._exchange
-        if not self.holds_last or exchange is None or not exchange.on_host:
+        if not self.holds_last or exchange is None:
             return None
 
         def post() -> None:
