@@ -85,66 +85,6 @@ def mark_metric_updated(metric: Any, counted: bool, forward_value: torch.Tensor 
         metric._forward_cache = forward_value
 
 
-def split_backward_applies(outputs: list[torch.Tensor], inputs: list[torch.Tensor],
-                           params: list[torch.nn.Parameter]) -> bool:
-    """Whether torch's input/weight split (below) gives every gradient: each output depends on the inputs, each input
-    is in the graph (torch's weight pass fails on one that is not), and each weight in the graph reaches it through a
-    node on the inputs' paths (torch leaves the others out silently)."""
-    from torch.distributed.pipelining._backward import (
-        _get_grad_fn_or_grad_acc,
-        construct_reverse_graph,
-        get_param_groups,
-        reverse_closure,
-    )
-
-    roots = [n for n in map(_get_grad_fn_or_grad_acc, outputs) if n is not None]
-    reverse = construct_reverse_graph(roots)
-    input_nodes = [n for n in map(_get_grad_fn_or_grad_acc, inputs) if n is not None]
-    nodes = [n for n in map(_get_grad_fn_or_grad_acc, params) if n is not None and n in reverse]  # before the lookups
-    if not all(n in reverse or n in roots for n in input_nodes):
-        return False
-    inputs_closure, _ = reverse_closure(input_nodes, set(), reverse)  # below add keys to the defaultdict
-    if not all(root in inputs_closure for root in roots):
-        return False
-    groups = get_param_groups(input_nodes, nodes, reverse)
-    if TORCH_VERSION < (2, 13) and any(len(group["intermediates"]) > 1 for group in groups):
-        # before 2.13 the weight pass counts twice the gradient of a weight used at two points of one path (a block
-        # applied twice, x @ w @ w): pytorch/pytorch#180952, fixed in 2.13 by pytorch/pytorch#181365
-        return False
-    if TORCH_VERSION < (2, 12) and any(_several_outputs(node) for group in groups for node in group["intermediates"]):
-        # before 2.12 the weight pass sums the gradients of an operation's outputs into its first: pytorch#170277
-        return False
-    covered = {node for group in groups for node in group["params"]}
-    return all(node in covered for node in nodes)
-
-
-def _several_outputs(node: Any) -> bool:
-    """Whether the autograd node stands for an operation with more than one output (``split``, ``chunk``, an RNN),
-    or may (torch 2.11 refuses to show a custom ``autograd.Function``'s)."""
-    try:
-        return len(node._input_metadata) > 1  # one entry per forward output
-    except (AttributeError, RuntimeError):
-        return True
-
-
-def backward_input(outputs: list[torch.Tensor], output_grads: list[torch.Tensor] | None,
-                   inputs: list[torch.Tensor], params: list[torch.nn.Parameter]) -> tuple[tuple[Any, ...], Any]:
-    """torch.distributed.pipelining's input-gradient pass: ``inputs``' gradients now, and what the weight pass needs
-    (the gradients where each weight's path leaves the input's)."""
-    from torch.distributed.pipelining._backward import stage_backward_input
-
-    # torch detaches the outputs in place at the end, which a view refuses: hand it a copy of those
-    outputs = [t.clone() if t._base is not None else t for t in outputs]
-    return stage_backward_input(outputs, output_grads, inputs, iter(params))
-
-
-def backward_weight(params: list[torch.nn.Parameter], kept: Any) -> None:
-    """The weight-gradient pass of :func:`backward_input`, accumulated into ``params``' ``grad``."""
-    from torch.distributed.pipelining._backward import stage_backward_weight
-
-    stage_backward_weight(iter(params), kept)
-
-
 def tree_map_tensors(tree: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
     """``tree`` (nested containers, also registered ones such as Hugging Face's ModelOutput) with ``fn`` applied to
     each tensor."""
@@ -297,8 +237,6 @@ __all__ = [
     "_init_dist_connection",
     "_optimizers_to_device",
     "_sync_ddp_if_available",
-    "backward_input",
-    "backward_weight",
     "check_torch_version",
     "child_names",
     "copy_forward_hooks",
@@ -311,7 +249,6 @@ __all__ = [
     "replace_metric_sync",
     "replace_summary",
     "share_forward_hooks",
-    "split_backward_applies",
     "summary_depth",
     "sync_metric_states",
     "tensor_version",

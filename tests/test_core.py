@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import re
-from typing import Any
 
 import pytest
 import torch
@@ -226,58 +225,3 @@ def test_fsdp_param_groups_of_a_state_before_and_after_torch_2_12() -> None:
     assert _compat.fsdp_param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
     both = SimpleNamespace(_fsdp_param_groups=["a", "b"], _fsdp_param_group="a")
     assert _compat.fsdp_param_groups(both) == ["a", "b"]
-
-
-class _TwoOutputs(torch.autograd.Function):
-    """``(x * w, x + w)``: one operation with two outputs, both of which reach the loss."""
-
-    @staticmethod
-    def forward(ctx: Any, x: torch.Tensor, w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        ctx.save_for_backward(x, w)
-        return x * w, x + w
-
-    @staticmethod
-    def backward(ctx: Any, product: torch.Tensor, total: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        x, w = ctx.saved_tensors
-        return product * w + total, product * x + total
-
-
-def _weight_used_twice(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    return x @ w @ w  # w joins the input's path at two matmuls, one after the other
-
-
-def _two_outputs(x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
-    product, total = _TwoOutputs.apply(x, w)
-    return 2 * product + 3 * total
-
-
-@pytest.mark.parametrize("forward", [_weight_used_twice, _two_outputs])
-def test_split_backward_gives_every_gradient_on_the_installed_torch(forward: Any) -> None:
-    """The input/weight split (zero-bubble schedules) gives autograd's gradients on the installed torch: where its
-    weight pass is wrong (before 2.13 for a weight used twice on one path, pytorch#180952; before 2.12 for an
-    operation with several outputs, pytorch#170277) the whole backward runs in the input pass instead."""
-    from lightning_pp.backward import backward_input, backward_weight
-
-    torch.manual_seed(0)
-    x, w = torch.randn(3, 3, requires_grad=True), torch.nn.Parameter(torch.randn(3, 3))
-    grad_out = torch.randn(3, 3)
-    dx, dw = torch.autograd.grad(forward(x, w), [x, w], grad_out)
-    received = x.detach().requires_grad_()
-    dinputs, work = backward_input([forward(received, w)], [grad_out], [received], [w])
-    backward_weight(work)
-    torch.testing.assert_close(dinputs[0], dx)
-    torch.testing.assert_close(w.grad, dw)
-
-
-@pytest.mark.parametrize(("forward", "exact_from"), [(_weight_used_twice, (2, 13)), (_two_outputs, (2, 12))])
-def test_split_backward_is_declined_where_torchs_weight_pass_is_wrong(
-        forward: Any, exact_from: tuple[int, int], monkeypatch: pytest.MonkeyPatch) -> None:
-    from lightning_pp import _compat
-
-    x, w = torch.randn(3, 3, requires_grad=True), torch.nn.Parameter(torch.randn(3, 3))
-    for version, applies in (((2, 11), False), ((exact_from[0], exact_from[1] - 1), False), (exact_from, True)):
-        monkeypatch.setattr(_compat, "TORCH_VERSION", version)
-        assert _compat.split_backward_applies([forward(x, w)], [x], [w]) is applies, version
-    h = torch.randn(3, 3, requires_grad=True)
-    monkeypatch.setattr(_compat, "TORCH_VERSION", _compat.TORCH_MINIMUM)
-    assert _compat.split_backward_applies([h @ w], [h], [w])  # one use, one output: split on every version
