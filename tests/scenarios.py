@@ -462,9 +462,10 @@ def train_real_ddp(model: str) -> dict[str, Any]:
     return real_models.run(model, "ddp", devices=WORLD_SIZE)
 
 
-def result_exchange(steps: int) -> list[dict[str, Any]]:
+def result_exchange(steps: int, host_group: bool = False) -> list[dict[str, Any]]:
     """The pipeline's last stage (rank 1) sends ``models.step_outputs(step)`` for each step, and 20 logged numbers;
-    every other step without outputs. Return, per step, what arrived and how many pickles it took on this rank."""
+    every other step without outputs. Return, per step, what arrived, how many pickles it took on this rank and how
+    many collectives. ``host_group``: the results' gloo group made apart, as connect_stages makes it on NCCL."""
     import pickle
     from collections.abc import Callable
     from types import SimpleNamespace
@@ -485,20 +486,34 @@ def result_exchange(steps: int) -> list[dict[str, Any]]:
             return real(obj)
         return counted
 
+    collectives = 0
+
+    def collective(*args: Any, **kwargs: Any) -> None:
+        nonlocal collectives
+        collectives += 1
+        raise AssertionError("a collective in the results' exchange: every stage would wait for the last one")
+
     # the source pickles (dumps) what the others unpickle (loads): each side counts its own
     results.pickle = SimpleNamespace(dumps=counting(pickle.dumps), loads=counting(pickle.loads))  # type: ignore
+    real_dist = results.dist
     try:
-        groups = create_groups(PipelineLayout(WORLD_SIZE, 1), GLOBAL_RANK, lambda ranks: dist.new_group(ranks))
-        exchange = results.ResultExchange(groups)
+        layout, new_group = PipelineLayout(WORLD_SIZE, 1), lambda ranks: dist.new_group(ranks)
+        groups = create_groups(layout, GLOBAL_RANK, new_group)
+        apart = create_groups(layout, GLOBAL_RANK, new_group).pipeline if host_group else None
+        exchange = results.ResultExchange(groups, apart)
+        results.dist = SimpleNamespace(  # type: ignore[attr-defined]
+            **{name: getattr(dist, name) for name in ("isend", "irecv", "recv", "Work")},
+            broadcast=collective, broadcast_object_list=collective, all_reduce=collective)
         arrived = []
         for step in range(steps):
             for send in (True, False):
                 pickled = 0
                 records: list[Any] = [(f"m{i}", float(step + i), {"prog_bar": i == 0}) for i in range(20)]
                 loss, logged, outputs, _ = exchange.share(0.5 + step, records, step_outputs(step), send)
-                arrived.append({"loss": loss, "logged": logged, "outputs": outputs, "pickled": pickled})
+                arrived.append({"loss": loss, "logged": logged, "outputs": outputs, "pickled": pickled,
+                                "collectives": collectives})
     finally:
-        results.pickle = pickle  # type: ignore[attr-defined]
+        results.pickle, results.dist = pickle, real_dist  # type: ignore[attr-defined]
         dist.destroy_process_group()
     return arrived
 

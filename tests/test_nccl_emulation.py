@@ -16,6 +16,7 @@ from pathlib import Path
 
 import pytest
 from _launch import launch
+from models import assert_same_outputs, step_outputs
 from support import (
     assemble,
     assert_matches,
@@ -148,6 +149,26 @@ def test_pipedream_2bw_with_the_monitor_ends_its_timed_steps() -> None:
     assert [h["step"] for h in history] == [0.0, 2.0], history
     # the stream has no fill or drain between batches: less idle than 1F1B's 1/5 (step 0 fills it)
     assert history[1]["pipeline/bubble_fraction"] < 0.2, history
+
+
+@pytest.mark.timeout(150)
+def test_results_travel_point_to_point_on_a_gloo_group_of_their_own() -> None:
+    """Issue 37, finding 2: on NCCL the step's results were broadcast on the lane's NCCL group at the step's end, so
+    every stage's host waited there for the last stage (pipedream_2bw lost its overlap between batches), and ranks
+    entered two communicators in different orders. They take the path NCCL takes under the emulation: point to point
+    in the results' own gloo group, without a single collective (one would raise here), loss, 20 logged numbers and
+    outputs intact."""
+    steps = 3
+    ranks = launch(2, [{"scenario": "result_exchange", "kwargs": {"steps": steps, "host_group": True}}], timeout=120)
+    for rank_index, rank in enumerate(ranks):
+        assert not rank.errors, rank.errors
+        arrived = rank.results[0]
+        assert [got["collectives"] for got in arrived] == [0] * 2 * steps
+        for index, got in enumerate(arrived):
+            step = index // 2
+            assert got["loss"] == 0.5 + step and len(got["logged"]) == 20, (rank_index, index)
+            if index % 2 == 0:
+                assert_same_outputs(got["outputs"], step_outputs(step))
 
 
 def test_user_error_on_one_stage_reaches_the_other() -> None:
