@@ -1007,6 +1007,91 @@ def compiled_graphs() -> int:
     return int(counters["stats"]["unique_graphs"])
 
 
+# ------------------------------------------------------- 13. relative positions computed before the blocks, in each
+class RelativeAttentionBlock(nn.Module):
+    """Causal attention whose scores add a content-to-position term, as DeBERTa's disentangled attention does: each
+    query against the keys projected from ``distances`` (one row per relative distance, computed before the blocks
+    from weights outside them and passed to every block)."""
+
+    def __init__(self, dim: int) -> None:
+        super().__init__()
+        # no biases on the distances' path: softmax ignores what they add to a row of scores, so their gradient would
+        # be zero, fp32 noise whose size follows the summation order
+        self.qkv, self.out = nn.Linear(dim, 3 * dim), nn.Linear(dim, dim)
+        self.distance_key = nn.Linear(dim, dim, bias=False)
+        self.mlp = nn.Sequential(nn.Linear(dim, 2 * dim), nn.GELU(), nn.Linear(2 * dim, dim))
+
+    def forward(self, x: torch.Tensor, distances: torch.Tensor, relative: torch.Tensor) -> torch.Tensor:
+        q, k, v = self.qkv(x).chunk(3, -1)
+        to_distance = (q @ self.distance_key(distances).T).gather(-1, relative.expand(x.shape[0], -1, -1))
+        scores = (q @ k.transpose(-1, -2) + to_distance) / math.sqrt(x.shape[-1])
+        causal = torch.ones_like(relative, dtype=torch.bool).tril()
+        x = x + self.out(scores.masked_fill(~causal, float("-inf")).softmax(-1) @ v)
+        return x + self.mlp(x)
+
+
+class RelativePositionLM(L.LightningModule):
+    """A language model whose blocks take, besides the hidden state, ``norm(distance_table)`` (computed once per
+    pass before the blocks: its gradient reaches weights outside them from every block) and the relative distance of
+    every token pair (an index, no gradient). SGD, so parameters compare element-wise."""
+
+    def __init__(self, dim: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(VOCAB, dim)
+        self.distance_table = nn.Parameter(0.02 * torch.randn(2 * SEQ_LEN - 1, dim))
+        self.distance_norm = nn.LayerNorm(dim, bias=False)
+        self.blocks = nn.ModuleList([RelativeAttentionBlock(dim) for _ in range(4)])
+        self.head = nn.Linear(dim, VOCAB)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (tokens,) = batch
+        positions = torch.arange(tokens.shape[1], device=tokens.device)
+        relative = positions[None, :] - positions[:, None] + SEQ_LEN - 1
+        distances = self.distance_norm(self.distance_table)
+        x = self.embed(tokens)
+        for block in self.blocks:
+            x = block(x, distances, relative)
+        loss = next_token_loss(self.head(x), tokens)
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        return token_batches()
+
+
+class HFDeberta(L.LightningModule):
+    """Hugging Face's ``DebertaV2ForMaskedLM`` from a small config (random weights, nothing downloaded): its encoder
+    computes ``LayerNorm(rel_embeddings.weight)`` once before its layers and hands it to each (relative attention over
+    position buckets, content-to-position and position-to-content terms, the attention key shared with the position
+    keys). Trained with SGD to predict its own tokens; dropout off for exact comparisons."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import DebertaV2Config, DebertaV2ForMaskedLM
+
+        config = DebertaV2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
+                                 intermediate_size=64, max_position_embeddings=16, relative_attention=True,
+                                 position_buckets=8, max_relative_positions=16, norm_rel_ebd="layer_norm",
+                                 pos_att_type=["p2c", "c2p"], share_att_key=True, position_biased_input=False,
+                                 type_vocab_size=0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
+        self.model = DebertaV2ForMaskedLM(config)
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (input_ids,) = batch
+        loss = self.model(input_ids, labels=input_ids).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1)
+
+    def train_dataloader(self) -> DataLoader:
+        return token_batches()
+
+
 # --------------------------------------------------------------------------------------------- the runs compared
 def with_sgd(model: type[L.LightningModule]) -> L.LightningModule:
     """``model`` trained with SGD, whose parameters can be compared element-wise (AdamW turns fp32 noise in near-zero
@@ -1067,6 +1152,8 @@ SPECS: dict[str, Spec] = {
     "unet": Spec(UNetAutoencoder, max_steps=-1, max_epochs=2, validate=True, monitor="val_loss"),
     "hf_mixtral": Spec(HFMixtral, max_steps=-1, max_epochs=2, validate=True),
     "hf_mixtral_quarters": Spec(lambda: HFMixtral(chunks=4), max_steps=-1, max_epochs=2, validate=True),
+    "relative_positions": Spec(RelativePositionLM),
+    "hf_deberta": Spec(HFDeberta),
 }
 MODELS.update({name: spec.build for name, spec in SPECS.items()})
 

@@ -409,6 +409,18 @@ def test_auto_chosen_configurations_of_hugging_face_models_train_as_one_device()
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timeout(360)
+def test_a_tensor_from_weights_outside_the_blocks_in_every_block_with_split_backwards() -> None:
+    """Blocks that each take a tensor computed before them from weights outside them (``norm(distance_table)``; Hugging
+    Face DeBERTa-v2's ``LayerNorm(rel_embeddings.weight)``): every split-backward schedule trains as one device. Before,
+    the weight-gradient pass ran that tensor's graph twice (torch's ``Trying to backward through the graph a second
+    time``), while 1F1B was exact."""
+    runs = [job("relative_positions", schedule=schedule, microbatches=4) for schedule in ("zb_h1", "zbv", "dualpipev")]
+    runs += [job("hf_deberta", schedule=schedule, microbatches=4) for schedule in ("zb_h1", "zbv")]
+    check_all(2, runs, [matches(run["kwargs"]["model"]) for run in runs], timeout=300)
+
+
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_generate_with_the_weights_outside_the_blocks_sharded(tmp_path: Path) -> None:
     """GPT-2's ``generate`` at the end of each validation epoch and in ``predict_step`` on 2 stages x 2 replicas with
