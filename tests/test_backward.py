@@ -93,8 +93,8 @@ class _Block(nn.Module):
 
 
 class _Model(nn.Module):
-    """Two stages of two blocks; ``r = norm(table)`` is computed before the blocks on every stage and passed to each
-    block; how it reaches them is ``shape``."""
+    """Two stages of two blocks; ``r = norm(table)`` is computed before the blocks on every stage (``carried``: on stage
+    0 only, and sent to stage 1 beside the hidden state) and passed to each block; how it reaches them is ``shape``."""
 
     def __init__(self, shape: str) -> None:
         super().__init__()
@@ -107,14 +107,16 @@ class _Model(nn.Module):
     def outside(self) -> list[nn.Parameter]:
         return [self.table, *self.norm.parameters(), *self.head.parameters()]
 
-    def stage(self, stage: int, h: torch.Tensor) -> torch.Tensor:
+    def stage(self, stage: int, h: Any) -> Any:
         r = self.norm(self.table)
         if self.shape == "without_grad":
             r = r.detach()
+        if self.shape == "carried" and stage == 1:  # computed on stage 0 only, and sent on beside the hidden state
+            h, r = h
         for block in self.blocks[2 * stage:2 * stage + 2]:
             h = block(h, r) if self.shape != "added" else block(h + r, r.detach())
         if stage == 0:
-            return h
+            return (h, r) if self.shape == "carried" else h
         loss = self.head(h).square().mean()
         return loss + r.square().mean() if self.shape == "in_the_loss" else loss
 
@@ -125,7 +127,7 @@ _WEIGHTS_LAST = ",".join([*(f"{s}F{mb}" for mb in range(4) for s in (0, 1)),
                           *(f"{s}W{mb}" for s in (1, 0) for mb in range(4))])
 
 
-@pytest.mark.parametrize("shape", ["through_block_weights", "added", "without_grad", "in_the_loss"])
+@pytest.mark.parametrize("shape", ["through_block_weights", "added", "without_grad", "in_the_loss", "carried"])
 @pytest.mark.parametrize("schedule", ["zbv", "weights_last"])
 def test_weight_pass_is_exact_with_a_tensor_from_outside_the_blocks(schedule: str, shape: str,
                                                                      tmp_path: Path) -> None:
@@ -146,7 +148,7 @@ def test_weight_pass_is_exact_with_a_tensor_from_outside_the_blocks(schedule: st
     def params(stage: int) -> list[nn.Parameter]:
         return [p for block in model.blocks[2 * stage:2 * stage + 2] for p in block.parameters()] + model.outside()
 
-    def forward(stage: int, mb: int, received: torch.Tensor | None) -> torch.Tensor:
+    def forward(stage: int, mb: int, received: Any) -> Any:
         output = model.stage(stage, batches[mb] if received is None else received)
         return output / len(batches) if stage == 1 else output
 
