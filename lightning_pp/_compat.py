@@ -325,3 +325,16 @@ def unscale_local_grads(scaler: torch.amp.GradScaler, optimizer: Any, grads: lis
     verdict = found.setdefault(device, torch.zeros(1, dtype=torch.float32, device=device))
     inverse = scaler._scale.double().reciprocal().float()  # type: ignore[union-attr]
     torch._amp_foreach_non_finite_check_and_unscale_(grads, verdict, inverse.to(device))
+
+
+def distributed_checkpoint_extents(metadata: Any) -> dict[str, int]:
+    """Each data file of a distributed checkpoint (relative to its folder) and how many bytes of it the entries its
+    ``.metadata`` lists reach: ``Metadata.storage_data`` holds torch's private ``_StorageInfo`` records
+    (``relative_path``, ``offset``, ``length``) for a checkpoint ``FileSystemWriter`` wrote; other writers' records
+    are skipped."""
+    extents: dict[str, int] = {}
+    for info in (getattr(metadata, "storage_data", None) or {}).values():
+        path, offset, length = (getattr(info, name, None) for name in ("relative_path", "offset", "length"))
+        if isinstance(path, str) and isinstance(offset, int) and isinstance(length, int):
+            extents[path] = max(extents.get(path, 0), offset + length)
+    return extents

@@ -9,17 +9,26 @@ expects, and lets any checkpoint (full, sharded, single-device, from another num
 from __future__ import annotations
 
 import os
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
+from lightning_pp._checkpoint_files import (
+    TRAINER_STATE,
+    check_sharded_folder,
+    interrupted_replacement,
+    new_folder_token,
+    read_whole,
+    replace_folder,
+    temporary_folder,
+)
 from lightning_pp._compat import _optimizers_to_device
-from lightning_pp.errors import PipelineConfigError
+from lightning_pp.errors import PipelineCheckpointError, PipelineConfigError
 from lightning_pp.sharding import full_tensors, shard_like
-from lightning_pp.topology import object_group_now
+from lightning_pp.topology import broadcast_object, gather_reports, object_group_now
 
 __all__ = ["PENDING_GRADIENT_KEY", "StageCheckpoints", "indexed_to_named", "load_named", "merge_named", "named_state",
            "named_to_indexed"]
@@ -39,6 +48,27 @@ def _to_cpu(value: Any) -> Any:
     if isinstance(value, Mapping):
         return {k: _to_cpu(v) for k, v in value.items()}
     return value
+
+
+def _describe(keys: Sequence[str], container: str) -> str:
+    """State keys for a message: those of the block container as ranges of blocks (``layers.4-5``), then the first
+    others by name."""
+    blocks: set[int] = set()
+    others: list[str] = []
+    for key in keys:
+        index = key[len(container) + 1:].partition(".")[0] if key.startswith(f"{container}.") else ""
+        if index.isdigit():
+            blocks.add(int(index))
+        else:
+            others.append(key)
+    runs: list[list[int]] = []
+    for block in sorted(blocks):
+        if runs and block == runs[-1][-1] + 1:
+            runs[-1].append(block)
+        else:
+            runs.append([block])
+    named = [f"{container}.{run[0]}" + (f"-{run[-1]}" if len(run) > 1 else "") for run in runs] + others[:5]
+    return ", ".join(named) + (f" and {len(others) - 5} more" if len(others) > 5 else "")
 
 
 def named_state(optimizer: Optimizer, name_of: Mapping[int, str], whole: bool = True) -> NamedState:
@@ -73,12 +103,13 @@ def indexed_to_named(indexed: Mapping[str, Any], names: Sequence[Sequence[str]],
 
 
 def merge_named(parts: Sequence[NamedState], order: Mapping[str, int]) -> NamedState:
-    """Merge the named states of several stages: each group's names in full-model order, each name once."""
+    """Merge the named states of several stages: each group's names in full-model order, each name once; names the
+    model does not have (``order`` lacks them: a checkpoint loaded with ``strict_loading = False``) left out."""
     groups = parts[0]["groups"]
     names: list[list[str]] = []
     for group_index in range(len(groups)):
-        union = {n for part in parts for n in part["names"][group_index]}
-        names.append(sorted(union, key=lambda n: order[n]))
+        union = {n for part in parts for n in part["names"][group_index] if n in order}
+        names.append(sorted(union, key=order.__getitem__))
     state: dict[str, Any] = {}
     for part in parts:
         for name, value in part["state"].items():
@@ -151,6 +182,7 @@ class StageCheckpoints:
         self.rank_of = rank_of
         self.object_group = object_group
         self.device = device
+        self._source: str | None = None  # the path being loaded, for errors
 
     def _objects(self) -> Any:
         """The group for this rank's object collectives and distributed checkpoints now (also after ``fit``)."""
@@ -238,11 +270,17 @@ class StageCheckpoints:
         """Write ``checkpoint`` (its module and optimizer states as :meth:`module_state` and :meth:`optimizer_state`
         give them for ``"sharded"``) with torch's distributed checkpoint, every rank its own shards, nothing gathered:
         tensors keyed by parameter name (one copy of each, whichever ranks hold it), the optimizers' hyper-parameters
-        and parameter names per stage; the rest of the checkpoint in ``checkpoint.pt`` from global rank 0."""
+        and parameter names per stage; the rest of the checkpoint in ``checkpoint.pt`` from global rank 0.
+
+        Written whole or not at all: into a new folder beside ``folder``, which global rank 0 renames to ``folder``
+        once every rank has written (see :mod:`lightning_pp._checkpoint_files`); a rank that fails or dies on the way
+        leaves the checkpoint at ``folder`` as it was. Every rank returns once the new one is in place."""
         import torch.distributed.checkpoint as dcp
         from torch.distributed.checkpoint import DefaultSavePlanner
 
-        os.makedirs(folder, exist_ok=True)
+        token = broadcast_object(new_folder_token(folder) if self.rank == 0 else None, 0, self._objects())
+        new = temporary_folder(folder, token)
+        os.makedirs(new, exist_ok=True)
         written: dict[str, Any] = {f"{_MODEL}.{k}": v for k, v in checkpoint["state_dict"].items()}
         for i, named in enumerate(checkpoint.get("optimizer_states", [])):
             # one object (a tuple is not flattened into keys): the same on every rank of the stage
@@ -257,15 +295,46 @@ class StageCheckpoints:
                     written[f"{_OPTIMIZER}.{i}.state.{name}.{key}"] = entry
         for name, value in checkpoint.get(PENDING_GRADIENT_KEY, {}).items():
             written[f"{PENDING_GRADIENT_KEY}.{name}"] = value
-        # a copy several ranks hold is written by the lowest (replica 0, as the full format's)
-        dcp.save(written, checkpoint_id=folder, planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
-                 process_group=self._objects())
-        if self.rank == 0:
+        try:  # a copy several ranks hold is written by the lowest (replica 0, as the full format's)
+            dcp.save(written, checkpoint_id=new, planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
+                     process_group=self._objects())
+        except Exception as error:
+            error.add_note(f"lightning_pp: the checkpoint at {folder} is unchanged (the new one went to {new}, which "
+                           f"the next save to {folder} removes)")
+            raise
+        failure: Exception | None = None
+        if self.rank == 0:  # every rank has written its shards and torch's `.metadata` is written: the last part
             meta = {k: v for k, v in checkpoint.items()
                     if k not in ("state_dict", "optimizer_states", PENDING_GRADIENT_KEY)}
             meta["lightning_pp"] = {"format": "sharded", "num_stages": self.num_stages,
                                     "optimizers": len(checkpoint.get("optimizer_states", []))}
-            torch.save(meta, os.path.join(folder, "checkpoint.pt"))
+            try:
+                torch.save(meta, os.path.join(new, TRAINER_STATE))
+                replace_folder(new, folder, token)
+            except Exception as error:  # told to every rank, which would otherwise wait for rank 0 below
+                failure = error
+        report = broadcast_object(None if failure is None else f"{type(failure).__name__}: {failure}", 0,
+                                  self._objects())
+        if report is not None:
+            raise PipelineCheckpointError(
+                f"Global rank 0 could not finish the sharded checkpoint {folder} ({report}); the checkpoint there is "
+                f"unchanged. Free space or fix what the error names and save again.") from failure
+
+    def load(self, path: str, weights_only: bool | None, optimizers: Sequence[Any],
+             load_file: Callable[..., dict[str, Any]]) -> dict[str, Any]:
+        """The checkpoint at ``path``: a sharded folder (:meth:`load_sharded`), or a file ``load_file(path,
+        weights_only=...)`` reads (the strategy's ``CheckpointIO``).
+
+        Raises:
+            PipelineCheckpointError: the checkpoint is cut short or lacks a part (naming it), or ``path`` is gone
+                because a sharded save to it was stopped between its renames (naming the previous checkpoint).
+        """
+        self._source = path
+        if os.path.isdir(path):
+            return self.load_sharded(path, bool(weights_only), optimizers)
+        if (interrupted := interrupted_replacement(path)) is not None:
+            raise interrupted
+        return read_whole(path, lambda: load_file(path, weights_only=weights_only))
 
     def load_sharded(self, folder: str, weights_only: bool, optimizers: Sequence[Any]) -> dict[str, Any]:
         """A sharded checkpoint as one checkpoint, read straight into this rank's shards (any number of stages,
@@ -273,16 +342,21 @@ class StageCheckpoints:
         every stage's parameter names merged. (``weights_only`` applies to ``checkpoint.pt``; torch's distributed
         checkpoint reads the rest itself.)"""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import BytesStorageMetadata, DefaultLoadPlanner, FileSystemReader
+        from torch.distributed.checkpoint import (
+            BytesStorageMetadata,
+            CheckpointException,
+            DefaultLoadPlanner,
+            FileSystemReader,
+        )
 
-        if not os.path.exists(os.path.join(folder, ".metadata")):
-            raise PipelineConfigError(
-                f"{folder} is not a sharded checkpoint of this version (torch's distributed checkpoint: a `.metadata` "
-                f"file beside `checkpoint.pt`); folders of per-stage files come from an earlier lightning_pp. Load it "
-                f"with that version and save it with checkpoint_format='full'.")
-        checkpoint = torch.load(os.path.join(folder, "checkpoint.pt"), map_location="cpu", weights_only=weights_only)
+        # every rank checks the same files alike, before the collective read below
+        stored = check_sharded_folder(folder, FileSystemReader(folder).read_metadata).state_dict_metadata
+        trainer_state = os.path.join(folder, TRAINER_STATE)
+        checkpoint = read_whole(trainer_state, lambda: torch.load(trainer_state, map_location="cpu",
+                                                                  weights_only=weights_only))
         saved = checkpoint["lightning_pp"]
-        stored = FileSystemReader(folder).read_metadata().state_dict_metadata
+        # every module entry the checkpoint holds, for load_module_state's strict check (this rank reads its own)
+        saved["state_keys"] = [k[len(_MODEL) + 1:] for k in stored if k.startswith(f"{_MODEL}.")]
         local = self.module.state_dict()
         module_keys = [k for k in local if f"{_MODEL}.{k}" in stored]
         target: dict[str, Any] = {f"{_MODEL}.{k}": local[k] for k in module_keys}
@@ -308,8 +382,14 @@ class StageCheckpoints:
             states.append(state)
             for stage in range(saved["num_stages"]):
                 target[f"{_OPTIMIZER}.{i}.stage{stage}"] = None
-        dcp.load(target, checkpoint_id=folder, planner=DefaultLoadPlanner(allow_partial_load=True),
-                 process_group=self._objects())
+        try:
+            dcp.load(target, checkpoint_id=folder, planner=DefaultLoadPlanner(allow_partial_load=True),
+                     process_group=self._objects())
+        except CheckpointException as error:  # raised on every rank: torch gathers each rank's failures
+            raise PipelineCheckpointError(
+                f"The sharded checkpoint {folder} could not be read into this model: {error}. Its files are all there "
+                f"(checked before reading): a file damaged inside, or another model's entries of other shapes. "
+                f"Resume from another checkpoint.") from error
         checkpoint["state_dict"] = {k: target[f"{_MODEL}.{k}"] for k in module_keys}  # tensors read in place
         if pending:
             checkpoint[PENDING_GRADIENT_KEY] = {name: target[f"{PENDING_GRADIENT_KEY}.{name}"] for name in pending}
@@ -322,30 +402,57 @@ class StageCheckpoints:
             for i, state in enumerate(states)]
         return checkpoint
 
-    def load_module_state(self, saved: Mapping[str, Any], strict: bool) -> None:
-        local_keys = list(self.module.state_dict())
-        missing = [k for k in local_keys if k not in saved]
-        if missing and strict:
-            raise PipelineConfigError(
-                f"The checkpoint has no entries for {missing[:5]} (of {len(missing)} missing) of pipeline stage "
-                f"{self.stage}: it was saved from a different model."
-            )
+    def load_module_state(self, checkpoint: Mapping[str, Any], strict: bool) -> None:
+        """Load this rank's entries of ``checkpoint["state_dict"]``. ``strict`` (Lightning passes the module's
+        ``strict_loading``): as one device's ``load_state_dict(strict=True)``, the checkpoint's entries must be the
+        whole model's, no more and no fewer; compared on every rank alike (the whole model's keys against all the
+        checkpoint holds), so every rank refuses a mismatch with the same error."""
+        saved = checkpoint["state_dict"]
+        if strict:
+            self._check_keys(checkpoint.get("lightning_pp", {}).get("state_keys", saved))
         local = self.module.state_dict()
-        self.module.load_state_dict({k: shard_like(saved[k], local[k]) for k in local_keys if k in saved},
-                                    strict=strict)
+        self.module.load_state_dict({k: shard_like(saved[k], v) for k, v in local.items() if k in saved}, strict=strict)
+
+    def _check_keys(self, saved_keys: Iterable[str]) -> None:
+        saved, full = list(saved_keys), self.partition.full_state_keys
+        saved_set, full_set = set(saved), set(full)
+        unexpected, missing = [k for k in saved if k not in full_set], [k for k in full if k not in saved_set]
+        if not unexpected and not missing:
+            return
+        container, source = self.partition.view.container_name, f" {self._source}" if self._source else ""
+        problems = []
+        if unexpected:
+            problems.append(f"it holds {len(unexpected)} entries this model does not have "
+                            f"({_describe(unexpected, container)}): is it another model's?")
+        if missing:
+            problems.append(f"it lacks {len(missing)} entries of this model ({_describe(missing, container)})")
+        raise PipelineCheckpointError(
+            f"The checkpoint{source} does not match this model: {'; '.join(problems)}. Loading is strict, as one "
+            f"device's load_state_dict(strict=True). Resume from a checkpoint of this model, or set "
+            f"`strict_loading = False` on the LightningModule to load the entries that match (the optimizer's state "
+            f"must still cover every parameter it trains), or start a new run from them: "
+            f"model.load_state_dict(torch.load(path, weights_only=True)['state_dict'], strict=False).")
 
     def load_optimizer_states(self, optimizers: Sequence[Any], states: Sequence[Mapping[str, Any]]) -> None:
         """Load each optimizer's entries from a full, sharded or single-device checkpoint's optimizer states."""
         name_of = self._name_of()
-        for optimizer, saved in zip(optimizers, states, strict=True):
+        report = None
+        for index, (optimizer, saved) in enumerate(zip(optimizers, states, strict=True)):
             inner = getattr(optimizer, "_optimizer", optimizer)
-            if "names" in saved and "groups" in saved:
-                named = dict(saved)
-            else:
-                names = saved.get(NAMES_KEY) or self._full_group_names(inner, name_of)
-                named = indexed_to_named(saved, names)
-            load_named(inner, named, name_of)
+            try:  # the same collectives on every rank: _full_group_names' only where the checkpoint has no names
+                if "names" in saved and "groups" in saved:
+                    named = dict(saved)
+                else:
+                    names = saved.get(NAMES_KEY) or self._full_group_names(inner, name_of)
+                    named = indexed_to_named(saved, names)
+                load_named(inner, named, name_of)
+            except PipelineConfigError as error:
+                report = report or f"stage {self.stage} (global rank {self.rank}), optimizer {index}: {error}"
             _optimizers_to_device([inner], self.device)
+        failed = gather_reports(report, self.world, self._objects())  # a stage's mismatch fails every rank alike
+        if failed:
+            raise PipelineCheckpointError(f"The checkpoint's optimizer state does not fit this model's optimizers: "
+                                          f"{' | '.join(failed)}")
 
     def _full_group_names(self, optimizer: Optimizer, name_of: dict[int, str]) -> list[list[str]]:
         """Each param group's names as a single-device optimizer orders them: the module's parameter order.

@@ -2,11 +2,17 @@
 
 from __future__ import annotations
 
-__all__ = ["PipelineCommError", "PipelineConfigError", "PipelineScheduleError", "PipelineTimeoutError"]
+__all__ = ["PipelineCheckpointError", "PipelineCommError", "PipelineConfigError", "PipelineScheduleError",
+           "PipelineTimeoutError"]
 
 
 class PipelineConfigError(ValueError):
     """The strategy, the module or the batch does not fit the pipeline (raised before any collective)."""
+
+
+class PipelineCheckpointError(PipelineConfigError):
+    """A checkpoint does not fit the module (entries it lacks or another model's) or is not whole (a file cut short
+    or missing); raised alike on every rank, before any collective that could leave one waiting."""
 
 
 class PipelineScheduleError(ValueError):

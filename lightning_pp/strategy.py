@@ -484,13 +484,11 @@ class PipelineParallelStrategy(ParallelStrategy):
 
     @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
-        if not os.path.isdir(str(checkpoint_path)):
-            return super().load_checkpoint(checkpoint_path, weights_only=weights_only)
-        return self._checkpoints.load_sharded(str(checkpoint_path), bool(weights_only), self.optimizers)
+        return self._checkpoints.load(str(checkpoint_path), weights_only, self.optimizers, super().load_checkpoint)
 
     @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
-        self._checkpoints.load_module_state(checkpoint["state_dict"], strict)
+        self._checkpoints.load_module_state(checkpoint, strict)
         if self._session is not None:
             self._session.restore_pending_gradient(checkpoint.get(PENDING_GRADIENT_KEY, {}))
 

@@ -567,3 +567,62 @@ def sigterm_during_fit(model: str, step: int, **strategy: Any) -> dict[str, Any]
     except BaseException as error:  # SIGTERMException is a SystemExit
         return {"type": type(error).__name__, "message": str(error)[:2000]}
     return {"type": "none", "message": ""}
+
+
+# ------------------------------------------------------------------------------------------------ checkpoints
+
+
+def _blocks_mlp(blocks: int, strict_loading: bool = True) -> Any:
+    """The MLP with ``blocks`` alike 16-wide linear blocks: checkpoints of another depth match it in every shape and
+    differ in their blocks' count only."""
+    import torch.nn as nn
+    from models import MLPClassifier
+
+    module = MLPClassifier()
+    module.layers = nn.Sequential(*(nn.Linear(16, 16) for _ in range(blocks)))
+    module.strict_loading = strict_loading
+    return module
+
+
+def _register_block_models() -> None:
+    import models
+
+    models.MODELS.update({"mlp_blocks4": lambda: _blocks_mlp(4), "mlp_blocks6": lambda: _blocks_mlp(6),
+                          "mlp_blocks4_lenient": lambda: _blocks_mlp(4, strict_loading=False)})
+
+
+_register_block_models()
+
+
+def die_while_saving_sharded(dirpath: str, rank_to_kill: int, at_save: int, max_epochs: int = 3,
+                             **strategy: Any) -> dict[str, Any]:
+    """Train the MLP by epochs with ``ModelCheckpoint(save_last=True, save_top_k=1)`` in the sharded format (each
+    epoch saves ``epoch=E-step=S.ckpt``, removes the previous one and saves ``last.ckpt`` again); global rank
+    ``rank_to_kill`` ends at once (``os._exit``) inside torch's distributed-checkpoint write of the ``at_save``-th
+    ``last.ckpt``, before writing its shard, while the other ranks write theirs. Returns how this rank's fit ended
+    (``rank_to_kill=-1``: nobody dies)."""
+    from pathlib import Path
+
+    from lightning.pytorch.callbacks import ModelCheckpoint
+    from torch.distributed.checkpoint import FileSystemWriter
+
+    write, last_saves = FileSystemWriter.write_data, []
+
+    def dying_write(self: Any, *args: Any, **kwargs: Any) -> Any:
+        if Path(self.path).name.startswith("last.ckpt"):  # that folder, or one written beside it
+            last_saves.append(str(self.path))
+            if len(last_saves) == at_save and rank_to_kill == GLOBAL_RANK:
+                os._exit(1)
+        return write(self, *args, **kwargs)
+
+    every_epoch = ModelCheckpoint(dirpath=dirpath, save_last=True, save_top_k=1, every_n_epochs=1,
+                                  save_on_train_epoch_end=True)
+    FileSystemWriter.write_data = dying_write  # type: ignore[method-assign]
+    try:
+        train("mlp", max_steps=-1, max_epochs=max_epochs, checkpoint_format="sharded",
+              trainer={"callbacks": [every_epoch], "enable_checkpointing": True}, **strategy)
+    except BaseException as error:
+        return {"type": type(error).__name__, "message": str(error)[:2000], "last_saves": last_saves}
+    finally:
+        FileSystemWriter.write_data = write  # type: ignore[method-assign]
+    return {"type": "none", "message": "", "last_saves": last_saves}
