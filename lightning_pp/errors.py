@@ -2,8 +2,8 @@
 
 from __future__ import annotations
 
-__all__ = ["PipelineCheckpointError", "PipelineCommError", "PipelineConfigError", "PipelineScheduleError",
-           "PipelineTimeoutError"]
+__all__ = ["PipelineBatchError", "PipelineCheckpointError", "PipelineCommError", "PipelineConfigError",
+           "PipelineScheduleError", "PipelineTimeoutError"]
 
 
 class PipelineConfigError(ValueError):
@@ -13,6 +13,11 @@ class PipelineConfigError(ValueError):
 class PipelineCheckpointError(PipelineConfigError):
     """A checkpoint does not fit the module (entries it lacks or another model's) or is not whole (a file cut short
     or missing); raised alike on every rank, before any collective that could leave one waiting."""
+
+
+class PipelineBatchError(PipelineConfigError):
+    """The stages of a pipeline loaded different batches (another sampler, shuffle or number of batches per rank),
+    raised on every stage of the pipeline at the step where it shows."""
 
 
 class PipelineScheduleError(ValueError):

@@ -38,6 +38,7 @@ from lightning_pp.model.assembly import (
     setup_optimizers_everywhere,
 )
 from lightning_pp.model.autotune import choose_configuration
+from lightning_pp.model.batches import refuse_wrong_sampler
 from lightning_pp.model.session import StageSession, release
 from lightning_pp.options import PipelineOptions, documented_arguments
 from lightning_pp.schedules import StepSchedules
@@ -427,6 +428,19 @@ class PipelineParallelStrategy(ParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context():
             return self._pipelined_step("predict_step", args, kwargs)
+
+    @override
+    def process_dataloader(self, dataloader: object) -> object:
+        stage = self.lightning_module.trainer.state.stage if self.lightning_module is not None else None
+        refuse_wrong_sampler(dataloader, self.num_replicas, self.replica, getattr(stage, "dataloader_prefix", None)
+                             or "a", self.global_rank)
+        return dataloader
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        if self._session is not None:  # fingerprinted on the host, before it moves (see lightning_pp.model.batches)
+            self._session.batches.note(batch)
+        return super().batch_to_device(batch, device, dataloader_idx)
 
     def _pipelined_step(self, step_name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         assert self._session is not None

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import importlib
 import json
 import os
 import signal
@@ -38,7 +39,9 @@ def main() -> None:
         # each run's process group meets at its own store, hosted by the launcher (see _launch.py)
         os.environ["MASTER_PORT"] = str(spec["ports"][index])
         try:
-            result = getattr(scenarios, run["scenario"])(**run.get("kwargs", {}))
+            # "name": scenarios.name; "module:name": name in the tests' module `module`
+            module, _, name = run["scenario"].rpartition(":")
+            result = getattr(importlib.import_module(module) if module else scenarios, name)(**run.get("kwargs", {}))
         except BaseException as error:  # report, then stop this rank like an uncaught error would
             (out / f"{index}_rank{rank}.error").write_text(
                 json.dumps({"type": type(error).__name__, "message": str(error),

@@ -30,6 +30,8 @@ from lightning_pp.model.assembly import (
     set_aside_example_input,
     shard_outside_weights,
 )
+from lightning_pp.model.batches import BatchGuard
+from lightning_pp.model.callbacks import adapt_callbacks
 from lightning_pp.model.delayed import DelayedUpdates, SigtermAtNextStep, refuse_for_delayed_updates
 from lightning_pp.model.eager import EagerLink
 from lightning_pp.model.results import outputs_read
@@ -99,6 +101,11 @@ class StageSession:
         self.driver = StepDriver(module, partition.view, p2p, self.recorder, device, schedules, microbatches,
                                  options.microbatch_weight, groups if pipelined else None, position=self.stage,
                                  outside=lambda: partition.shared_tensors(module)[0])
+        # every stage's batch checked against the others' (in the results' gloo group, see model/batches.py)
+        self.batches = BatchGuard(
+            (p2p.results_group if p2p.results_group is not None else groups.pipeline) if p2p is not None else None,
+            rank, layout.stage_of, options.transfer_timeout, lambda: module.trainer,
+            (layout.num_replicas, layout.replica_of(rank)))
         self._sigterm: SigtermAtNextStep | None = None  # pipedream_2bw: the SIGTERM agreement without a barrier
         self._undo_sigterm: Callable[[], None] = lambda: None
         if pipelined and fitting and options.schedule == "pipedream_2bw":
@@ -108,6 +115,8 @@ class StageSession:
             module, partition, self._not_on_last_stage, world=layout.world_size, rank=rank, stage=self.stage,
             lane=layout.lane_of(rank), num_stages=layout.num_stages, rank_of=layout.rank,
             object_group=object_group, device=device)
+        adapt_callbacks(module.trainer, module, gather=lambda: self.checkpoints.module_state("full"),
+                        num_replicas=layout.num_replicas, split=pipelined, fitting=fitting)
         self._undo_summary = summarize_whole_model(module.trainer, layout.stage_of, object_group) if pipelined else None
         # until training starts (see set_aside_example_input)
         self._example_input = set_aside_example_input(module, rank) if fitting and pipelined else None
@@ -153,10 +162,11 @@ class StageSession:
         placing = self.assembly.placing
         if training and placing is not None and placing.wants_observation():
             placing.observe()
-        result = self.driver.run(
-            step_name, args, kwargs, collective=collective,
-            accumulation=self.module.trainer.accumulate_grad_batches if training else 1,
-            scaler=scaler if training else None, timing_sink=self.telemetry.timing_sink)
+        with self.batches.checking(step_name, args):
+            result = self.driver.run(
+                step_name, args, kwargs, collective=collective,
+                accumulation=self.module.trainer.accumulate_grad_batches if training else 1,
+                scaler=scaler if training else None, timing_sink=self.telemetry.timing_sink)
         if training:
             self.telemetry.last_schedule = self.driver.last_schedule
         return result

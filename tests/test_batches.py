@@ -1,0 +1,175 @@
+"""Batches: micro-batches of any batch Lightning accepts (per-sample lists, dataclasses), and the same batch on every
+stage of a pipeline, checked (issue 39, findings 1 and 2)."""
+
+from __future__ import annotations
+
+import time
+from collections import namedtuple
+from dataclasses import dataclass, field
+
+import batch_scenarios
+import pytest
+import torch
+from _launch import launch
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
+
+from lightning_pp import PipelineConfigError
+from lightning_pp.microbatch import merge_microbatches, split_batch, whole
+from lightning_pp.model.batches import BatchGuard, fingerprint, refuse_wrong_sampler
+
+
+def test_per_sample_lists_are_split_with_the_tensors() -> None:
+    batch = {"x": torch.arange(10).reshape(5, 2), "text": ["a", "b", "c", "d", "e"], "ids": (1, 2, 3, 4, 5),
+             "config": [0.1, 0.2], "name": "run"}
+    micro, sizes = split_batch(batch, 2)
+    assert sizes == [3, 2]
+    assert micro[0]["text"] == ["a", "b", "c"] and micro[1]["text"] == ["d", "e"]
+    assert micro[1]["ids"] == (4, 5) and type(micro[1]["ids"]) is tuple
+    assert micro[0]["config"] == micro[1]["config"] == [0.1, 0.2]  # another length: shared
+    assert micro[1]["name"] == "run"
+    assert merge_microbatches([m["text"] for m in micro], sizes) == batch["text"]
+
+
+def test_a_batch_of_strings_alone_and_transposed_columns() -> None:
+    micro, sizes = split_batch(["a", "b", "c", "d"], 2)
+    assert micro == [["a", "b"], ["c", "d"]] and sizes == [2, 2]
+    # default_collate of two string fields per sample: one list per field, one string per sample in each
+    columns = [torch.zeros(3), [["a", "b", "c"], ["x", "y", "z"]]]
+    micro, _ = split_batch(columns, 3)
+    assert micro[2][1] == [["c"], ["z"]]
+
+
+@dataclass
+class _Batch:
+    x: torch.Tensor
+    names: list[str]
+    scale: float = 1.0
+    derived: int = field(init=False, default=0)
+
+
+@dataclass(frozen=True)
+class _Frozen:
+    x: torch.Tensor
+    y: torch.Tensor
+
+
+def test_dataclasses_and_namedtuples_are_split_like_dicts() -> None:
+    batch = _Batch(torch.arange(8), [str(i) for i in range(8)], scale=2.0)
+    batch.derived = 5
+    micro, sizes = split_batch(batch, 4)
+    assert sizes == [2, 2, 2, 2]
+    assert isinstance(micro[1], _Batch) and torch.equal(micro[1].x, torch.tensor([2, 3]))
+    assert micro[1].names == ["2", "3"] and micro[1].scale == 2.0 and micro[1].derived == 5
+    merged = merge_microbatches(micro, sizes)
+    assert torch.equal(merged.x, batch.x) and merged.names == batch.names
+    frozen, _ = split_batch(_Frozen(torch.zeros(4, 2), torch.ones(4)), 2)
+    assert isinstance(frozen[0], _Frozen) and frozen[0].x.shape == (2, 2)
+    pair = namedtuple("pair", "x tags")
+    micro, _ = split_batch(pair(torch.zeros(4), ["a", "b", "c", "d"]), 2)
+    assert micro[1].tags == ["c", "d"] and isinstance(micro[1], pair)
+
+
+def test_whole_keeps_a_list_as_long_as_the_batch_in_every_microbatch() -> None:
+    weights = whole([1.0, 0.5, 0.5, 1.0])
+    assert weights == [1.0, 0.5, 0.5, 1.0] and isinstance(weights, list)
+    micro, _ = split_batch({"x": torch.zeros(4, 3), "loss_weights": weights}, 2)
+    assert micro[0]["loss_weights"] == micro[1]["loss_weights"] == [1.0, 0.5, 0.5, 1.0]
+    with pytest.raises(PipelineConfigError, match="whole\\(\\) marks a list or tuple"):
+        whole(torch.zeros(2))  # type: ignore[type-var]
+
+
+def test_ambiguous_sequences_are_refused_with_the_rule() -> None:
+    with pytest.raises(PipelineConfigError, match=r"list of 2 sequences of 2 items each.*rows.*columns.*whole"):
+        split_batch({"x": torch.zeros(2), "tokens": [["a", "b"], ["c", "d"]]}, 2)
+    with pytest.raises(PipelineConfigError, match=r"lists of values have lengths \[2, 3\]"):
+        split_batch({"a": ["x", "y"], "b": ["x", "y", "z"]}, 2)
+    guard = BatchGuard(None, 0, lambda rank: 0, 10.0, lambda: None, (1, 0))
+    with guard.checking("training_step", ({"x": torch.zeros(8, 2), "config": [1, 2, 3, 4]}, 0)):
+        pass  # four items in a batch of eight: shared
+    with pytest.raises(PipelineConfigError, match=r"batch\['config'\] is a list of 4 items in a batch of 4 samples, "
+                                                  r"so it is split.*earlier batch of 8 samples.*whole\(\.\.\.\)"), \
+            guard.checking("training_step", ({"x": torch.zeros(4, 2), "config": [1, 2, 3, 4]}, 1)):
+        pass
+
+
+def test_fingerprint_tells_batches_apart_cheaply() -> None:
+    x = torch.randn(8, 3, 32, 32)
+    batch = {"x": x, "y": torch.arange(8), "text": [str(i) for i in range(8)]}
+    same = {"x": x.clone(), "y": torch.arange(8), "text": [str(i) for i in range(8)]}
+    assert fingerprint(batch) == fingerprint(same)
+    one_sample = {**same, "x": x.clone()}
+    one_sample["x"][5, 1, 16, 16] += 1  # a sampled element of the sixth sample
+    swapped = {**same, "y": torch.tensor([1, 0, 2, 3, 4, 5, 6, 7])}
+    other_text = {**same, "text": [*same["text"][:7], "z"]}
+    shorter = {"x": x[:6], "y": torch.arange(6), "text": same["text"][:6]}
+    prints = [fingerprint(b) for b in (batch, one_sample, swapped, other_text, shorter)]
+    assert len({tuple(p) for p in prints}) == 5, prints
+    assert prints[4][0] == 6.0
+    for _ in range(20):
+        fingerprint(batch)
+    start = time.perf_counter()
+    for _ in range(200):
+        fingerprint(batch)
+    print(f"fingerprint of a batch of 8 images, labels and strings: "
+          f"{(time.perf_counter() - start) / 200 * 1e6:.0f} us")
+
+
+def test_a_distributed_sampler_over_the_world_is_refused_with_the_right_arguments() -> None:
+    dataset = TensorDataset(torch.zeros(16, 2))
+    world = DataLoader(dataset, sampler=DistributedSampler(dataset, num_replicas=4, rank=3))
+    with pytest.raises(PipelineConfigError, match=r"The train DataLoader's DistributedSampler has num_replicas=4, "
+                                                  r"rank=3 on global rank 3.*DistributedSampler\(dataset, "
+                                                  r"num_replicas=2, rank=1\)"):
+        refuse_wrong_sampler(world, 2, 1, "train", 3)
+    replicas = DataLoader(dataset, sampler=DistributedSampler(dataset, num_replicas=2, rank=1))
+    refuse_wrong_sampler(replicas, 2, 1, "train", 3)
+    refuse_wrong_sampler(DataLoader(dataset, shuffle=True), 2, 1, "train", 3)
+
+
+# ------------------------------------------------------------------------------------------------ 2 gloo ranks
+
+
+@pytest.mark.multiprocess
+def test_per_sample_lists_and_dataclasses_train_as_on_one_device() -> None:
+    """A step dividing by ``len(batch["text"])`` and weighting each sample by its text, and a dataclass batch: the
+    pipeline's weights equal one device's."""
+    runs = [{"scenario": "batch_scenarios:train", "kwargs": {"kind": kind, "schedule": "1f1b", "microbatches": 4}}
+            for kind in ("text", "dataclass")]
+    ranks = launch(2, runs, timeout=200)
+    for index, kind in enumerate(("text", "dataclass")):
+        want = batch_scenarios.fit(kind)
+        got: dict[str, torch.Tensor] = {}
+        for rank in ranks:
+            assert index not in rank.errors, rank.errors[index]["traceback"]
+            got.update(rank.results[index]["state"])
+        assert sorted(got) == sorted(want["state"]), kind
+        for name, value in want["state"].items():
+            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=5e-6, msg=f"{kind} {name}")
+        assert ranks[0].results[index]["loss"] == pytest.approx(want["loss"], abs=1e-5), kind
+
+
+@pytest.mark.multiprocess
+def test_stages_loading_different_batches_fail_on_every_rank() -> None:
+    """A DistributedSampler over the whole world is refused before any step; a shuffle seeded by the rank fails at
+    the first step on both stages; a rank with fewer batches fails both stages at its last one, and the job exits
+    non-zero on every rank."""
+    runs = [{"scenario": "batch_scenarios:train", "kwargs": {"kind": kind, "catch": True, "microbatches": 2}}
+            for kind in ("own_distributed_sampler", "shuffled_by_rank")]
+    runs.append({"scenario": "batch_scenarios:train", "kwargs": {"kind": "fewer_on_rank_1", "microbatches": 2}})
+    ranks = launch(2, runs, timeout=200)
+    for rank_index, rank in enumerate(ranks):
+        refused, shuffled = rank.results[0], rank.results[1]
+        assert refused["type"] == "PipelineConfigError", refused
+        assert (f"DistributedSampler has num_replicas=2, rank={rank_index} on global rank {rank_index}"
+                in refused["message"]), refused
+        assert "DistributedSampler(dataset, num_replicas=1, rank=0)" in refused["message"], refused
+        assert shuffled["type"] == "PipelineBatchError", shuffled
+        for said in ("loaded different batches at training_step of batch 0", "differ in their values",
+                     f"This is stage {rank_index} (rank {rank_index})", "sampler RandomSampler with a generator of "
+                     f"seed {rank_index}", "do not seed a shuffle"):
+            assert said in shuffled["message"], (said, shuffled["message"])
+        assert rank.returncode != 0, rank.output[-3000:]
+        error = rank.errors[2]
+        assert error["type"] == "PipelineBatchError", error
+        assert ("at training_step of batch 2" in error["message"] and "how many batches the loader gives: on stage 1 "
+                "it ends after this batch" in error["message"]), error["message"]
