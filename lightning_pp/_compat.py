@@ -338,3 +338,31 @@ def distributed_checkpoint_extents(metadata: Any) -> dict[str, int]:
         if isinstance(path, str) and isinstance(offset, int) and isinstance(length, int):
             extents[path] = max(extents.get(path, 0), offset + length)
     return extents
+
+
+def averaging_model(callback: Any) -> Any:
+    """The ``AveragedModel`` a Lightning ``WeightAveraging`` callback keeps (None outside fit until one is made)."""
+    return callback._average_model
+
+
+def set_averaging_model(callback: Any, model: Any) -> None:
+    callback._average_model = model
+
+
+def averaging_arguments(callback: Any) -> tuple[Any, bool, dict[str, Any]]:
+    """A ``WeightAveraging`` callback's ``device``, ``use_buffers`` and the rest of ``AveragedModel``'s arguments."""
+    return callback._device, callback._use_buffers, dict(callback._kwargs)
+
+
+def throughputs(callback: Any) -> list[Any]:
+    """The ``Throughput`` meters a ``ThroughputMonitor`` made in its ``setup`` (one per running stage)."""
+    return list(callback._throughputs.values())
+
+
+def batch_statistics_classes() -> tuple[type, ...]:
+    """torch's bases of the norms that keep batch statistics: every BatchNorm (SyncBatchNorm and the lazy ones too),
+    and InstanceNorm (which keeps running statistics only with ``track_running_stats=True``)."""
+    from torch.nn.modules.batchnorm import _BatchNorm
+    from torch.nn.modules.instancenorm import _InstanceNorm
+
+    return _BatchNorm, _InstanceNorm

@@ -20,6 +20,7 @@ from lightning_pp.actions import Schedule
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.grads import PipelineGradients, broadcast_tensors
 from lightning_pp.model.balance import resolve_balance
+from lightning_pp.model.callbacks import check_callbacks
 from lightning_pp.model.materialize import has_meta_tensors, left_uninitialized, materialize
 from lightning_pp.model.placement import WeightPlacement
 from lightning_pp.model.sides import not_ours
@@ -89,7 +90,13 @@ def placement_of(module: nn.Module) -> WeightPlacement | None:
 def refuse_unsupported(module: Any, fitting: bool, tensor_parallel_size: int) -> None:
     """Before any collective: sharding the module applied itself that the pipeline cannot run, or
     ``tensor_parallel_size`` without a plan (see :func:`~lightning_pp.sharding.check_user_sharding`; before our first
-    run on it), and (fit) manual optimization, are refused."""
+    run on it), (fit) manual optimization, and the callbacks a pipeline cannot run as one device would (see
+    :func:`~lightning_pp.model.callbacks.check_callbacks`, which also warns about norms with batch statistics), are
+    refused."""
+    strategy = module.trainer.strategy
+    warn_norms = fitting and strategy.num_stages > 1 and not is_assembled(module)  # (a split module: some are gone)
+    check_callbacks(module.trainer, module, options=strategy.options, microbatches=strategy.microbatches if warn_norms
+                    else 1)
     if not is_assembled(module):
         check_user_sharding(module, tensor_parallel_size)
     if fitting:

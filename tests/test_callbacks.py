@@ -1,0 +1,134 @@
+"""Lightning's own callbacks under the pipeline: weight averaging's checkpoints equal one device's file entry by entry,
+the callbacks that cannot give one device's result are refused at setup, norms with batch statistics are warned
+about, ``ThroughputMonitor`` logs what one device logs (the outcome for every callback: docs/compatibility.md)."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import callback_scenarios
+import lightning as L
+import pytest
+import torch
+from _launch import launch
+from lightning.pytorch.callbacks import (
+    BatchSizeFinder,
+    EMAWeightAveraging,
+    ModelPruning,
+    OnExceptionCheckpoint,
+    StochasticWeightAveraging,
+)
+from support import ATOL, RTOL, prefixed
+
+from lightning_pp import PipelineParallelStrategy
+from lightning_pp.errors import PipelineConfigError
+from lightning_pp.model.callbacks import batch_statistics_modules, check_callbacks
+
+_CHECKPOINT_ENTRIES = ("state_dict", "current_model_state", "averaging_state", "global_step", "epoch")
+
+
+def _assert_same_entries(got: Any, want: Any, label: str) -> None:
+    """Equal structure; tensors within the tolerances, everything else equal."""
+    if isinstance(want, torch.Tensor):
+        torch.testing.assert_close(got, want, rtol=RTOL, atol=ATOL, msg=prefixed(label))
+    elif isinstance(want, dict):
+        assert sorted(got) == sorted(want), (label, sorted(set(got) ^ set(want)))
+        for key, value in want.items():
+            _assert_same_entries(got[key], value, f"{label}.{key}")
+    elif isinstance(want, (list, tuple)):
+        assert len(got) == len(want), label
+        for index, (g, w) in enumerate(zip(got, want, strict=True)):
+            _assert_same_entries(g, w, f"{label}[{index}]")
+    else:
+        assert got == want, (label, got, want)
+
+
+def _assert_same_file(got_path: Path, want_path: Path) -> None:
+    got, want = torch.load(got_path, weights_only=True), torch.load(want_path, weights_only=True)
+    for entry in _CHECKPOINT_ENTRIES:
+        _assert_same_entries(got[entry], want[entry], f"{got_path.name}: {entry}")
+    averaging = [k for k in want["callbacks"] if k.startswith("EMAWeightAveraging")]
+    assert averaging and all(got["callbacks"][k] == want["callbacks"][k] for k in averaging), got["callbacks"]
+    for index, (g, w) in enumerate(zip(got["optimizer_states"], want["optimizer_states"], strict=True)):
+        _assert_same_entries(g["state"], w["state"], f"{got_path.name}: optimizer_states[{index}]")
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_weight_averaging_checkpoints_equal_one_devices_file(tmp_path: Path) -> None:
+    """``EMAWeightAveraging``: every ``ModelCheckpoint`` file and the one saved by hand after fit hold the whole
+    averaged model (``state_dict``), the live one (``current_model_state``) and the averaging state as one device's
+    file does, entry by entry: every weight inside the blocks (the last stage's gathered from another rank), weights
+    outside them kept where used (the averaged copy follows the stage's weights), Hugging Face GPT-2 (tied head), and
+    a pipelined run resumed from a pipelined file."""
+    models = ("blocks_only", "mlp", "hf_gpt2")
+    for model in models:
+        callback_scenarios.averaged(model, str(tmp_path / "one" / model))
+    callback_scenarios.averaged("mlp", str(tmp_path / "one" / "resumed"),
+                                ckpt_path=str(tmp_path / "one" / "mlp" / "step=2.ckpt"))
+    runs = [{"model": model, "dirpath": str(tmp_path / "pipe" / model)} for model in models]
+    runs.append({"model": "mlp", "dirpath": str(tmp_path / "pipe" / "resumed"),
+                 "ckpt_path": str(tmp_path / "pipe" / "mlp" / "step=2.ckpt")})
+    ranks = launch(2, [{"scenario": "callback_scenarios:pipelined_averaged",
+                        "kwargs": {"runs": runs, "schedule": "1f1b", "microbatches": 2}}], timeout=300)
+    assert not any(rank.errors for rank in ranks), [rank.errors for rank in ranks]
+    for name in (*models, "resumed"):
+        files = sorted(p.name for p in (tmp_path / "one" / name).iterdir())
+        assert files == ["after_fit.ckpt", *(["step=2.ckpt"] if name != "resumed" else []), "step=4.ckpt"], files
+        assert sorted(p.name for p in (tmp_path / "pipe" / name).iterdir()) == files, name
+        for file in files:
+            _assert_same_file(tmp_path / "pipe" / name / file, tmp_path / "one" / name / file)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_norms_with_batch_statistics_warn_once_and_throughput_logs_what_one_device_logs() -> None:
+    """A BatchNorm and an InstanceNorm with running statistics in the blocks: one warning on global rank 0 naming
+    both, saying what the result equals and how to get one device's; none with one micro-batch. ``ThroughputMonitor``
+    counts the pipeline as one device: the keys one device logs, and training as one device's."""
+    want = callback_scenarios.throughput()
+    ranks = launch(2, [{"scenario": "callback_scenarios:normed_warnings", "kwargs": {"microbatches": 2}},
+                       {"scenario": "callback_scenarios:normed_warnings", "kwargs": {"microbatches": 1}},
+                       {"scenario": "callback_scenarios:pipelined_throughput",
+                        "kwargs": {"schedule": "1f1b", "microbatches": 2}}], timeout=200)
+    assert not any(rank.errors for rank in ranks), [rank.errors for rank in ranks]
+    (message,) = ranks[0].results[0]
+    assert "layers.1 (BatchNorm1d)" in message and "layers.7 (InstanceNorm1d)" in message, message
+    assert "GroupNorm" not in message.split(" compute ")[0], message
+    assert "accumulating gradients over 2 micro-batches" in message and "microbatches=1" in message, message
+    assert ranks[1].results[0] == [] and ranks[0].results[1] == [] and ranks[1].results[1] == []
+    got = ranks[0].results[2]
+    assert got["keys"] == want["keys"], (got["keys"], want["keys"])
+    state = {**ranks[1].results[2]["state"], **{k: v for k, v in got["state"].items() if k.startswith("layers.0")}}
+    for name in ("layers.0.weight", "layers.6.weight", "head.weight"):
+        torch.testing.assert_close(state[name], want["state"][name], rtol=RTOL, atol=ATOL, msg=prefixed(name))
+
+
+@pytest.mark.parametrize("callback", [StochasticWeightAveraging(swa_lrs=0.1), ModelPruning("l1_unstructured"),
+                                      BatchSizeFinder(), OnExceptionCheckpoint(".")],
+                         ids=lambda c: type(c).__name__)
+def test_callbacks_that_cannot_give_one_devices_result_are_refused(callback: L.Callback) -> None:
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=PipelineParallelStrategy(), callbacks=[callback],
+                        logger=False, enable_progress_bar=False, enable_model_summary=False)
+    options = trainer.strategy.options  # type: ignore[attr-defined]
+    refused = f"^{type(callback).__name__} does not work with PipelineParallelStrategy: "
+    with pytest.raises(PipelineConfigError, match=refused):
+        check_callbacks(trainer, callback_scenarios.BlocksOnly(), options=options, microbatches=2)
+
+
+@pytest.mark.parametrize("option", [{"checkpoint_format": "sharded"}, {"data_parallel": "fsdp"},
+                                    {"schedule": "pipedream_2bw"}], ids=lambda o: next(iter(o)))
+def test_weight_averaging_refuses_what_a_stages_averaged_model_does_not_cover(option: dict[str, Any]) -> None:
+    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=PipelineParallelStrategy(**option),
+                        callbacks=[EMAWeightAveraging()], logger=False, enable_progress_bar=False)
+    options = trainer.strategy.options  # type: ignore[attr-defined]
+    with pytest.raises(PipelineConfigError, match="^EMAWeightAveraging with PipelineParallelStrategy"):
+        check_callbacks(trainer, callback_scenarios.BlocksOnly(), options=options, microbatches=2)
+
+
+def test_batch_statistics_modules_are_the_norms_that_see_the_batch() -> None:
+    module = torch.nn.Sequential(torch.nn.BatchNorm1d(4), torch.nn.SyncBatchNorm(4), torch.nn.LazyBatchNorm1d(),
+                                 torch.nn.InstanceNorm1d(4), torch.nn.InstanceNorm2d(4, track_running_stats=True),
+                                 torch.nn.GroupNorm(2, 4), torch.nn.LayerNorm(4))
+    assert [name for name, _ in batch_statistics_modules(module)] == ["0", "1", "2", "4"]
