@@ -37,10 +37,12 @@ class NormedBlocks(MLPClassifier):
 
     def __init__(self) -> None:
         super().__init__()
-        self.layers = nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Tanh(), nn.Linear(16, 16),
-                                    nn.GroupNorm(4, 16), nn.Tanh(),
-                                    nn.Unflatten(1, (4, 4)), nn.InstanceNorm1d(4, track_running_stats=True),
-                                    nn.Flatten())
+        self.layers = nn.Sequential(
+            nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Tanh()),
+            nn.Sequential(nn.Linear(16, 16), nn.GroupNorm(4, 16), nn.Tanh()),
+            nn.Sequential(nn.Linear(16, 16), nn.Unflatten(1, (4, 4)), nn.InstanceNorm1d(4, track_running_stats=True),
+                          nn.Flatten()),
+            nn.Sequential(nn.Linear(16, 16), nn.Tanh()))
 
 
 def _module(name: str) -> L.LightningModule:
