@@ -14,10 +14,9 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.distributed import ReduceOp
 from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
-from lightning.pytorch.strategies import ParallelStrategy, StrategyRegistry
+from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.types import STEP_OUTPUT
@@ -30,7 +29,10 @@ from lightning_pp import _compat
 from lightning_pp._allocator import keep_freed_cpu_memory
 from lightning_pp._failures import FailureSignal, naming_failures
 from lightning_pp.checkpoint import PENDING_GRADIENT_KEY, StageCheckpoints
+from lightning_pp.collectives import ReplicaCollectives
+from lightning_pp.data import PipelineDataHooks
 from lightning_pp.grads import enabled_scaler
+from lightning_pp.loops import LoopHooks
 from lightning_pp.model.assembly import (
     assemble_stage,
     balance_for,
@@ -38,7 +40,6 @@ from lightning_pp.model.assembly import (
     setup_optimizers_everywhere,
 )
 from lightning_pp.model.autotune import choose_configuration
-from lightning_pp.model.batches import refuse_wrong_sampler
 from lightning_pp.model.session import StageSession, release
 from lightning_pp.options import PipelineOptions, documented_arguments
 from lightning_pp.schedules import StepSchedules
@@ -46,7 +47,6 @@ from lightning_pp.sharding import BlockSharding, is_sharded_module
 from lightning_pp.telemetry import PipelineTelemetry
 from lightning_pp.topology import (
     PipelineLayout,
-    broadcast_object,
     create_device_mesh,
     start_process_group,
 )
@@ -54,8 +54,7 @@ from lightning_pp.topology import (
 __all__ = ["PipelineParallelStrategy"]
 
 
-
-class PipelineParallelStrategy(ParallelStrategy):
+class PipelineParallelStrategy(ReplicaCollectives, PipelineDataHooks, LoopHooks):
     """Train a LightningModule pipeline-parallel: its container of repeated blocks is split into stages, one or more
     per device, and the world holds one pipeline or several data-parallel replicas of it.
 
@@ -187,18 +186,6 @@ class PipelineParallelStrategy(ParallelStrategy):
     def microbatches(self) -> int:
         return self.options.microbatches if self.options.microbatches is not None else 2 * self.num_stages
 
-    @property
-    def is_distributed(self) -> bool:
-        # one replica: the user's DataLoader stays as it is (no always-shuffling DistributedSampler; every step leaves
-        # the CPU generator as it found it, so stages shuffle alike) and `sync_dist` is a no-op, as on one device
-        return self.num_replicas > 1
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # every stage of a pipeline loads the same samples: shard over the replicas only
-        return {"num_replicas": self.num_replicas, "rank": self.replica}
-
     @override
     def _configure_launcher(self) -> None:
         self.options.check_world(self.num_stages, self.num_processes, self.num_nodes)  # before any worker starts
@@ -295,46 +282,6 @@ class PipelineParallelStrategy(ParallelStrategy):
         assert self.model is not None
         self.model.to(self.root_device)
 
-    # ------------------------------------------------------------------------------------------------ collectives
-
-    @override
-    def barrier(self, name: str | None = None) -> None:
-        if dist.is_available() and dist.is_initialized():
-            dist.barrier()
-
-    @override
-    def broadcast(self, obj: Any, src: int = 0) -> Any:
-        return broadcast_object(obj, src, self.object_group)
-
-    def _replicas_group(self) -> Any:
-        assert self._session is not None
-        return self._session.assembly.groups.replicas
-
-    @override
-    def reduce(self, tensor: Tensor | Any, group: Any | None = None,
-               reduce_op: ReduceOp | str | None = "mean") -> Tensor | Any:
-        """Reduce over the data-parallel replicas (``group`` None), as DDP over its ranks: every stage holds its
-        replica's value (the last stage's, replayed), so ``sync_dist=True`` and torchmetrics see one per replica."""
-        if not isinstance(tensor, Tensor) or (group is None and self.num_replicas == 1):
-            return tensor
-        return _compat._sync_ddp_if_available(tensor, group or self._replicas_group(), reduce_op=reduce_op)
-
-    @override
-    def all_gather(self, tensor: Tensor, group: Any | None = None, sync_grads: bool = False) -> Tensor:
-        """Gather over the data-parallel replicas (``group`` None): one entry per replica, as DDP gives one per rank;
-        with one replica the tensor itself, as on one device."""
-        if group is None and self.num_replicas == 1:
-            return tensor
-        return super().all_gather(tensor, group=group or self._replicas_group(), sync_grads=sync_grads)
-
-    @override
-    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
-        """Agree over every rank of the job (every stage of every replica), e.g. on stopping early."""
-        votes = torch.tensor(int(decision), device=self.root_device)
-        if self._world > 1:
-            votes = _compat._sync_ddp_if_available(votes, None, reduce_op="sum")
-        return bool(votes == self._world) if all else bool(votes)
-
     @override
     @contextmanager
     def block_backward_sync(self) -> Generator[None, None, None]:
@@ -365,51 +312,6 @@ class PipelineParallelStrategy(ParallelStrategy):
     # ------------------------------------------------------------------------------------------------ the step
 
     @override
-    def on_train_start(self) -> None:
-        if self._session is not None:
-            self._session.restore_example_input()
-        self._start_loop("training_step")
-
-    @override
-    def on_validation_start(self) -> None:
-        if self._session is not None:
-            self._session.drain()
-        self._start_loop("validation_step")
-
-    @override
-    def on_train_end(self) -> None:
-        if self._session is not None:
-            self._unapplied_gradient = self._session.end_fit(self._collective)
-
-    @override
-    def on_test_start(self) -> None:
-        self._start_loop("test_step")
-
-    @override
-    def on_predict_start(self) -> None:
-        self._start_loop("predict_step")
-
-    def _start_loop(self, step_name: str) -> None:
-        if self._session is not None:
-            self._session.start_loop(step_name, self._collective)
-
-    @override
-    def on_validation_end(self) -> None:  # (training frees them at each optimizer step)
-        self._end_loop()
-
-    @override
-    def on_test_end(self) -> None:
-        self._end_loop()
-
-    @override
-    def on_predict_end(self) -> None:
-        self._end_loop()
-
-    def _end_loop(self) -> None:
-        if self._session is not None:
-            self._session.end_loop()
-
-    @override
     def training_step(self, *args: Any, **kwargs: Any) -> STEP_OUTPUT:
         with self.precision_plugin.train_step_context():
             return self._pipelined_step("training_step", args, kwargs)
@@ -428,19 +330,6 @@ class PipelineParallelStrategy(ParallelStrategy):
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
         with self.precision_plugin.predict_step_context():
             return self._pipelined_step("predict_step", args, kwargs)
-
-    @override
-    def process_dataloader(self, dataloader: object) -> object:
-        stage = self.lightning_module.trainer.state.stage if self.lightning_module is not None else None
-        refuse_wrong_sampler(dataloader, self.num_replicas, self.replica, getattr(stage, "dataloader_prefix", None)
-                             or "a", self.global_rank)
-        return dataloader
-
-    @override
-    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
-        if self._session is not None:  # fingerprinted on the host, before it moves (see lightning_pp.model.batches)
-            self._session.batches.note(batch)
-        return super().batch_to_device(batch, device, dataloader_idx)
 
     def _pipelined_step(self, step_name: str, args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         assert self._session is not None
