@@ -10,8 +10,17 @@ from lightning_pp.errors import PipelineConfigError
 __all__ = ["min_max_partition", "stage_costs", "stage_layer_ranges", "uniform_balance", "validate_balance"]
 
 
-def uniform_balance(num_layers: int, num_stages: int) -> list[int]:
-    """Split ``num_layers`` as evenly as possible; the first ``num_layers % num_stages`` stages get one more."""
+def uniform_balance(num_layers: int, num_stages: int, stages_per_rank: int = 1) -> list[int]:
+    """Split ``num_layers`` as evenly as possible; the first ``num_layers % num_stages`` stages get one more.
+    ``stages_per_rank``: how many of the ``num_stages`` each rank holds (only the error's advice depends on it)."""
+    if num_layers < num_stages and stages_per_rank > 1:
+        ranks = num_stages // stages_per_rank
+        fewer = f"stages_per_rank={num_layers // ranks} or fewer, or " if num_layers // ranks >= 2 else ""
+        raise PipelineConfigError(
+            f"The block container has {num_layers} blocks but stages_per_rank={stages_per_rank} on {ranks} ranks makes "
+            f"{num_stages} stages ({stages_per_rank} x {ranks}); every stage needs at least one block. Use "
+            f"{fewer}schedule='1f1b' (one stage per rank), or split the model into more blocks."
+        )
     if num_layers < num_stages:
         raise PipelineConfigError(
             f"The block container has {num_layers} blocks but the pipeline has {num_stages} stages; every stage needs "

@@ -68,6 +68,15 @@ def test_finds_a_container_of_blocks_of_a_few_types_not_their_insides() -> None:
     assert find_blocks(nn.ModuleDict({"transformer": mixed}), None)[0] == "transformer.h"  # 3 types in 3: no
 
 
+def test_a_container_of_one_block_is_named_not_reported_missing() -> None:
+    """Issue 39, finding 8: a container holding 1 block was reported as no container at all."""
+    from models import TooFewLayers
+
+    with pytest.raises(PipelineConfigError, match=r"TooFewLayers's block container 'layers' \(Sequential, 272 "
+                                                  r"parameters\) has 1 block; .* at least one block per stage"):
+        find_blocks(TooFewLayers(), None)
+
+
 def test_named_container_and_errors() -> None:
     model = NanoStyle()
     assert find_blocks(model, "transformer.h")[0] == "transformer.h"

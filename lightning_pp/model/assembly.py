@@ -137,7 +137,7 @@ def balance_for(options: PipelineOptions, module: Any, trainer: Any, num_ranks: 
     return resolve_balance(options.balance_by, module, options.blocks_name, num_stages, trainer, device=device,
                            microbatches=microbatches, precision=precision, recompute_every=options.recompute_every,
                            global_rank=rank, world_size=layout.world_size, collective=collective,
-                           object_group=object_group)
+                           object_group=object_group, stages_per_rank=options.stages_per_rank or 1)
 
 
 def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout, rank: int, *, blocks: str | None,
@@ -158,7 +158,7 @@ def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout
     earlier = _EARLIER_RUNS.get(module)
     fresh = earlier is None
     partition = split_module(module, blocks, balance, schedule.stages_of(stage), schedule.num_stages,
-                             earlier.partition if earlier is not None else None)
+                             earlier.partition if earlier is not None else None, schedule.stages_per_rank)
     if earlier is None:
         earlier = _EARLIER_RUNS[module] = _EarlierRun(partition)
         if rank == 0:  # which container was found (or named), and how it was split

@@ -509,7 +509,8 @@ def _ms(values: Sequence[float]) -> str:
 def resolve_balance(by: str, module: pl.LightningModule, blocks: str | None, num_stages: int, trainer: pl.Trainer, *,
                     device: torch.device, microbatches: int, precision: Precision, recompute_every: int,
                     global_rank: int, world_size: int,
-                    collective: Callable[[str], AbstractContextManager[None]], object_group: Any = None) -> list[int]:
+                    collective: Callable[[str], AbstractContextManager[None]], object_group: Any = None,
+                    stages_per_rank: int = 1) -> list[int]:
     """Blocks per stage for ``balance=by`` ("params" or "time"), the same on every rank of the job.
 
     ``"params"``: even parameter counts (every rank computes it alike). ``"time"``: global rank 0 measures (see
@@ -518,10 +519,11 @@ def resolve_balance(by: str, module: pl.LightningModule, blocks: str | None, num
     (a NaN-marked tensor, then its message), so every rank raises a :class:`PipelineConfigError` instead of waiting.
     Outside ``fit`` (``validate``/``test``/``predict`` have no training step to time), without training data, or when
     the first training batch cannot be read without taking it from training, the split falls back to ``"params"``,
-    with a log line. ``object_group`` carries the error's message (None: the default group).
+    with a log line. ``object_group`` carries the error's message (None: the default group); ``stages_per_rank``: how
+    many of the ``num_stages`` each rank holds.
     """
     name, container = find_blocks(module, blocks)
-    uniform_balance(len(_blocks(container)), num_stages)  # too few blocks: an error on every rank, before measuring
+    uniform_balance(len(_blocks(container)), num_stages, stages_per_rank)  # too few blocks: an error on every rank, before measuring
     if by == "params":
         return parameter_balance(container, num_stages)
     reason = why_not_time(trainer, module)

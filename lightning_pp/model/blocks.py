@@ -50,6 +50,12 @@ def _candidates(module: nn.Module, prefix: str = "") -> list[tuple[str, nn.Modul
     return found
 
 
+def _single_block_containers(module: nn.Module) -> list[tuple[str, nn.Module]]:
+    """Containers holding exactly one block with weights: what a user may have meant as the block container."""
+    return [(name, sub) for name, sub in module.named_modules()
+            if name and isinstance(sub, CONTAINERS) and block_count(sub) == 1 and _parameter_count(sub) > 0]
+
+
 def _describe(candidates: list[tuple[str, nn.Module]]) -> str:
     return ", ".join(f"'{path}' ({block_count(c)} blocks, {_parameter_count(c):,} parameters)"
                      for path, c in candidates)
@@ -73,6 +79,16 @@ def find_blocks(module: nn.Module, name: str | None) -> tuple[str, nn.Module]:
             )
         return name, container
     candidates = sorted(_candidates(module), key=lambda item: -_parameter_count(item[1]))
+    single = _single_block_containers(module) if not candidates else []
+    if single:
+        raise PipelineConfigError(
+            f"{type(module).__name__}'s block container "
+            f"{', '.join(f'{path!r} ({type(c).__name__}, {_parameter_count(c):,} parameters)' for path, c in single)} "
+            f"has 1 block; the pipeline splits a "
+            f"container's blocks into stages, at least one block per stage. Put the repeated layers in it as separate "
+            f"blocks (nn.Sequential(*layers), not one module holding them all), or name a container of several blocks "
+            f"with PipelineParallelStrategy(blocks='model.layers')."
+        )
     if not candidates:
         raise PipelineConfigError(
             f"{type(module).__name__} has no nn.Sequential, nn.ModuleList or nn.ModuleDict of repeated blocks to split "

@@ -37,9 +37,10 @@ class Partition:
 
 # modules already split in this process (a second fit / validate / test reuses the split)
 def split_module(module: nn.Module, blocks: str | None, balance: Sequence[int] | None, stages: Sequence[int],
-                 num_stages: int, earlier: Partition | None = None) -> Partition:
+                 num_stages: int, earlier: Partition | None = None, stages_per_rank: int = 1) -> Partition:
     """Keep only the blocks of ``stages`` (this rank's) of the container (the others become stand-ins); everything
-    else stays. ``earlier``: the split an earlier run made of ``module``, which is kept whatever ``balance`` says."""
+    else stays. ``earlier``: the split an earlier run made of ``module``, which is kept whatever ``balance`` says;
+    ``stages_per_rank``: how many of the ``num_stages`` each rank holds."""
     existing = earlier
     if existing is not None:
         view = existing.view
@@ -52,7 +53,7 @@ def split_module(module: nn.Module, blocks: str | None, balance: Sequence[int] |
     name, container = find_blocks(module, blocks)
     num_blocks = block_count(container)
     counts = (validate_balance(balance, num_blocks, num_stages) if balance is not None
-              else uniform_balance(num_blocks, num_stages))
+              else uniform_balance(num_blocks, num_stages, stages_per_rank))
     ranges = stage_layer_ranges(counts)
     _check_no_shared_parameters(module, name, container, ranges)
     full_param_order = {n: i for i, (n, _) in enumerate(module.named_parameters())}
