@@ -4,6 +4,7 @@ of the multi-process tests runs (``"callback_scenarios:<name>"``)."""
 from __future__ import annotations
 
 import os
+import tempfile
 import warnings
 from pathlib import Path
 from typing import Any
@@ -108,3 +109,74 @@ def pipelined_throughput(**strategy: Any) -> dict[str, Any]:
     from lightning_pp import PipelineParallelStrategy
 
     return throughput(PipelineParallelStrategy(timeout=60, **strategy), WORLD_SIZE)
+
+
+class TunedMLP(MLPClassifier):
+    """`MLPClassifier` with SGD at the learning rate in ``self.lr`` (what the learning-rate finder sets) and a
+    validation step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.lr = 0.01
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)  # (weights compared element-wise)
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y))
+
+
+def sweep(strategy: Any = "auto", devices: int = 1) -> dict[str, Any]:  # strategy: or a function making one
+    """The callbacks and tuner that need nothing of the pipeline, in two runs of `TunedMLP`: ``Tuner.lr_find`` (16
+    steps), then a fit of 3 epochs with ``GradientAccumulationScheduler`` (2 batches per step from epoch 1),
+    ``SpikeDetection``, ``Timer``, ``LambdaCallback`` (recording what ``on_train_batch_end`` gets), ``DeviceStatsMonitor``
+    (with fixed stats: this CPU environment has no psutil), ``RichProgressBar``, ``RichModelSummary``, ``EarlyStopping``
+    and ``LearningRateMonitor``. Returns what one device's run is compared with."""
+    from lightning.pytorch.accelerators import CPUAccelerator
+    from lightning.pytorch.callbacks import (
+        DeviceStatsMonitor,
+        EarlyStopping,
+        GradientAccumulationScheduler,
+        LambdaCallback,
+        LearningRateMonitor,
+        RichModelSummary,
+        RichProgressBar,
+        SpikeDetection,
+        Timer,
+    )
+    from lightning.pytorch.tuner import Tuner
+
+    CPUAccelerator.get_device_stats = lambda self, device: {"fixed": 1.0}  # type: ignore[method-assign]
+
+    def trainer(**kwargs: Any) -> L.Trainer:
+        return L.Trainer(accelerator="cpu", devices=devices, strategy=strategy() if callable(strategy) else strategy,
+                         log_every_n_steps=1,
+                         enable_checkpointing=False, num_sanity_val_steps=0, **kwargs)
+
+    L.seed_everything(7, verbose=False)
+    module = TunedMLP()
+    finder = Tuner(trainer(logger=False, enable_progress_bar=False, enable_model_summary=False)).lr_find(
+        module, train_dataloaders=make_data("mlp", batches=16), num_training=16, min_lr=1e-3, max_lr=1.0)
+    assert finder is not None
+    seen: list[float] = []
+    logger = RecordingLogger()
+    with tempfile.TemporaryDirectory() as scratch:  # where SpikeDetection would list the batches to skip
+        callbacks = [GradientAccumulationScheduler({1: 2}), SpikeDetection(exclude_batches_path=scratch, rtol=100.0), Timer(),
+                     LambdaCallback(on_train_batch_end=lambda t, m, outputs, *_: seen.append(float(outputs["loss"]))),
+                     DeviceStatsMonitor(cpu_stats=True), RichProgressBar(), RichModelSummary(),
+                     EarlyStopping("val_loss", patience=5), LearningRateMonitor()]
+        fit = trainer(logger=logger, max_epochs=3, callbacks=callbacks)
+        fit.fit(module, make_data("mlp"), make_data("mlp", seed=99))
+    return {"lr_find": {"lr": finder.results["lr"], "loss": finder.results["loss"], "suggested": module.lr},
+            "losses": seen, "logged": [(step, sorted(metrics)) for step, metrics in logger.history],
+            "values": [(step, {k: v for k, v in m.items() if k in ("train_loss", "val_loss", "lr-SGD")})
+                       for step, m in logger.history],
+            "global_step": fit.global_step,
+            "state": {k: v.detach().clone() for k, v in module.state_dict().items()}}
+
+
+def pipelined_sweep(**strategy: Any) -> dict[str, Any]:
+    from lightning_pp import PipelineParallelStrategy
+
+    return sweep(lambda: PipelineParallelStrategy(timeout=60, **strategy), WORLD_SIZE)  # one per Trainer

@@ -132,3 +132,28 @@ def test_batch_statistics_modules_are_the_norms_that_see_the_batch() -> None:
                                  torch.nn.InstanceNorm1d(4), torch.nn.InstanceNorm2d(4, track_running_stats=True),
                                  torch.nn.GroupNorm(2, 4), torch.nn.LayerNorm(4))
     assert [name for name, _ in batch_statistics_modules(module)] == ["0", "1", "2", "4"]
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_tuner_lr_find_and_the_callbacks_that_need_nothing_equal_one_device() -> None:
+    """``Tuner.lr_find`` (its learning rates, losses and suggestion, then the weights it restores), and a fit with
+    ``GradientAccumulationScheduler``, ``SpikeDetection``, ``Timer``, ``LambdaCallback``, ``DeviceStatsMonitor``,
+    ``RichProgressBar``, ``RichModelSummary``, ``EarlyStopping`` and ``LearningRateMonitor``: every logged key at every
+    step, the logged values, what ``on_train_batch_end`` gets, the steps and the weights as on one device."""
+    want = callback_scenarios.sweep()
+    ranks = launch(2, [{"scenario": "callback_scenarios:pipelined_sweep",
+                        "kwargs": {"schedule": "1f1b", "microbatches": 2}}], timeout=300)
+    assert not any(rank.errors for rank in ranks), [rank.errors for rank in ranks]
+    got = ranks[0].results[0]
+    assert got["lr_find"]["lr"] == want["lr_find"]["lr"] and len(want["lr_find"]["lr"]) == 16
+    assert got["lr_find"]["loss"] == pytest.approx(want["lr_find"]["loss"], abs=1e-5)
+    assert got["lr_find"]["suggested"] == want["lr_find"]["suggested"] != 0.01, (got["lr_find"], want["lr_find"])
+    assert got["logged"] == want["logged"] and got["global_step"] == want["global_step"] == 8
+    assert ranks[1].results[0]["losses"] == got["losses"]
+    assert got["losses"] == pytest.approx(want["losses"], abs=1e-5) and len(want["losses"]) == 12
+    for (step, values), (want_step, want_values) in zip(got["values"], want["values"], strict=True):
+        assert step == want_step and values == pytest.approx(want_values, abs=1e-5), (step, values, want_values)
+    state = {**ranks[1].results[0]["state"], **got["state"]}
+    for name, value in want["state"].items():
+        torch.testing.assert_close(state[name], value, rtol=RTOL, atol=ATOL, msg=prefixed(name))
