@@ -359,7 +359,7 @@ def throughputs(callback: Any) -> list[Any]:
     return list(callback._throughputs.values())
 
 
-def batch_statistics_classes() -> tuple[type, ...]:
+def batch_statistics_classes() -> tuple[type[torch.nn.Module], type[torch.nn.Module]]:
     """torch's bases of the norms that keep batch statistics: every BatchNorm (SyncBatchNorm and the lazy ones too),
     and InstanceNorm (which keeps running statistics only with ``track_running_stats=True``)."""
     from torch.nn.modules.batchnorm import _BatchNorm

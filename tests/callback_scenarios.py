@@ -130,9 +130,10 @@ class TunedMLP(MLPClassifier):
 def sweep(strategy: Any = "auto", devices: int = 1) -> dict[str, Any]:  # strategy: or a function making one
     """The callbacks and tuner that need nothing of the pipeline, in two runs of `TunedMLP`: ``Tuner.lr_find`` (16
     steps), then a fit of 3 epochs with ``GradientAccumulationScheduler`` (2 batches per step from epoch 1),
-    ``SpikeDetection``, ``Timer``, ``LambdaCallback`` (recording what ``on_train_batch_end`` gets), ``DeviceStatsMonitor``
-    (with fixed stats: this CPU environment has no psutil), ``RichProgressBar``, ``RichModelSummary``, ``EarlyStopping``
-    and ``LearningRateMonitor``. Returns what one device's run is compared with."""
+    ``SpikeDetection``, ``Timer``, ``LambdaCallback`` (recording what ``on_train_batch_end`` gets),
+    ``DeviceStatsMonitor`` (with fixed stats: this CPU environment has no psutil), ``RichProgressBar``,
+    ``RichModelSummary``, ``EarlyStopping`` and ``LearningRateMonitor``.
+    Returns what one device's run is compared with."""
     from lightning.pytorch.accelerators import CPUAccelerator
     from lightning.pytorch.callbacks import (
         DeviceStatsMonitor,
@@ -162,7 +163,8 @@ def sweep(strategy: Any = "auto", devices: int = 1) -> dict[str, Any]:  # strate
     seen: list[float] = []
     logger = RecordingLogger()
     with tempfile.TemporaryDirectory() as scratch:  # where SpikeDetection would list the batches to skip
-        callbacks = [GradientAccumulationScheduler({1: 2}), SpikeDetection(exclude_batches_path=scratch, rtol=100.0), Timer(),
+        callbacks = [GradientAccumulationScheduler({1: 2}), SpikeDetection(exclude_batches_path=scratch, rtol=100.0),
+                     Timer(),
                      LambdaCallback(on_train_batch_end=lambda t, m, outputs, *_: seen.append(float(outputs["loss"]))),
                      DeviceStatsMonitor(cpu_stats=True), RichProgressBar(), RichModelSummary(),
                      EarlyStopping("val_loss", patience=5), LearningRateMonitor()]

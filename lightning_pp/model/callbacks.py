@@ -99,7 +99,7 @@ def batch_statistics_modules(module: nn.Module) -> list[tuple[str, nn.Module]]:
     too) and an InstanceNorm with ``track_running_stats=True`` (its running statistics)."""
     batch_norm, instance_norm = _compat.batch_statistics_classes()
     return [(name, sub) for name, sub in module.named_modules()
-            if isinstance(sub, batch_norm) or (isinstance(sub, instance_norm) and sub.track_running_stats)]
+            if isinstance(sub, batch_norm) or (isinstance(sub, instance_norm) and bool(sub.track_running_stats))]
 
 
 def _warn_batch_statistics(module: nn.Module, microbatches: int) -> None:
@@ -143,7 +143,8 @@ class StageAveragedModel(AveragedModel):
     module whose values to keep.
     """
 
-    def __init__(self, live: nn.Module, gather: Callable[[], dict[str, Any]], device: Any, use_buffers: bool, previous: StageAveragedModel | None = None, **kwargs: Any) -> None:
+    def __init__(self, live: nn.Module, gather: Callable[[], dict[str, Any]], device: Any, use_buffers: bool,
+                 previous: StageAveragedModel | None = None, **kwargs: Any) -> None:
         super().__init__(_mirror(live), device=device, use_buffers=use_buffers, **kwargs)
         # plain attributes, not submodules or parameters
         self.__dict__.update(live=live, gather=gather, device=device, held=self._held(live))
