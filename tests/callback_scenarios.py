@@ -11,7 +11,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import EMAWeightAveraging, ModelCheckpoint, ThroughputMonitor
+from lightning.pytorch.callbacks import BasePredictionWriter, EMAWeightAveraging, ModelCheckpoint, ThroughputMonitor
 from models import MLPClassifier, RecordingLogger, make_data
 from torch import nn
 
@@ -126,14 +126,28 @@ class TunedMLP(MLPClassifier):
         x, y = batch
         self.log("val_loss", nn.functional.cross_entropy(self(x), y))
 
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        return self(batch[0]).softmax(-1)
+
+
+class Written(BasePredictionWriter):
+    """Keeps what it is handed to write, batch by batch."""
+
+    def __init__(self) -> None:
+        super().__init__("batch")
+        self.written: list[torch.Tensor] = []
+
+    def write_on_batch_end(self, trainer: Any, pl_module: Any, prediction: Any, *args: Any) -> None:
+        self.written.append(prediction.detach().clone())
+
 
 def sweep(strategy: Any = "auto", devices: int = 1) -> dict[str, Any]:  # strategy: or a function making one
     """The callbacks and tuner that need nothing of the pipeline, in two runs of `TunedMLP`: ``Tuner.lr_find`` (16
     steps), then a fit of 3 epochs with ``GradientAccumulationScheduler`` (2 batches per step from epoch 1),
     ``SpikeDetection``, ``Timer``, ``LambdaCallback`` (recording what ``on_train_batch_end`` gets),
     ``DeviceStatsMonitor`` (with fixed stats: this CPU environment has no psutil), ``RichProgressBar``,
-    ``RichModelSummary``, ``EarlyStopping`` and ``LearningRateMonitor``.
-    Returns what one device's run is compared with."""
+    ``RichModelSummary``, ``EarlyStopping`` and ``LearningRateMonitor``; then ``predict`` with a
+    ``BasePredictionWriter``. Returns what one device's run is compared with."""
     from lightning.pytorch.accelerators import CPUAccelerator
     from lightning.pytorch.callbacks import (
         DeviceStatsMonitor,
@@ -167,14 +181,15 @@ def sweep(strategy: Any = "auto", devices: int = 1) -> dict[str, Any]:  # strate
                      Timer(),
                      LambdaCallback(on_train_batch_end=lambda t, m, outputs, *_: seen.append(float(outputs["loss"]))),
                      DeviceStatsMonitor(cpu_stats=True), RichProgressBar(), RichModelSummary(),
-                     EarlyStopping("val_loss", patience=5), LearningRateMonitor()]
+                     EarlyStopping("val_loss", patience=5), LearningRateMonitor(), Written()]
         fit = trainer(logger=logger, max_epochs=3, callbacks=callbacks)
         fit.fit(module, make_data("mlp"), make_data("mlp", seed=99))
+        fit.predict(module, make_data("mlp", seed=5), return_predictions=False)
     return {"lr_find": {"lr": finder.results["lr"], "loss": finder.results["loss"], "suggested": module.lr},
             "losses": seen, "logged": [(step, sorted(metrics)) for step, metrics in logger.history],
             "values": [(step, {k: v for k, v in m.items() if k in ("train_loss", "val_loss", "lr-SGD")})
                        for step, m in logger.history],
-            "global_step": fit.global_step,
+            "global_step": fit.global_step, "written": callbacks[-1].written,  # type: ignore[attr-defined]
             "state": {k: v.detach().clone() for k, v in module.state_dict().items()}}
 
 

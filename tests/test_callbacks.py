@@ -140,7 +140,8 @@ def test_tuner_lr_find_and_the_callbacks_that_need_nothing_equal_one_device() ->
     """``Tuner.lr_find`` (its learning rates, losses and suggestion, then the weights it restores), and a fit with
     ``GradientAccumulationScheduler``, ``SpikeDetection``, ``Timer``, ``LambdaCallback``, ``DeviceStatsMonitor``,
     ``RichProgressBar``, ``RichModelSummary``, ``EarlyStopping`` and ``LearningRateMonitor``: every logged key at every
-    step, the logged values, what ``on_train_batch_end`` gets, the steps and the weights as on one device."""
+    step, the logged values, what ``on_train_batch_end`` gets, the steps and the weights as on one device; then what a
+    ``BasePredictionWriter`` is handed in ``predict``, on every rank."""
     want = callback_scenarios.sweep()
     ranks = launch(2, [{"scenario": "callback_scenarios:pipelined_sweep",
                         "kwargs": {"schedule": "1f1b", "microbatches": 2}}], timeout=300)
@@ -157,3 +158,6 @@ def test_tuner_lr_find_and_the_callbacks_that_need_nothing_equal_one_device() ->
     state = {**ranks[1].results[0]["state"], **got["state"]}
     for name, value in want["state"].items():
         torch.testing.assert_close(state[name], value, rtol=RTOL, atol=ATOL, msg=prefixed(name))
+    assert len(want["written"]) == 4
+    for rank in ranks:
+        torch.testing.assert_close(rank.results[0]["written"], want["written"], rtol=RTOL, atol=ATOL)
