@@ -19,7 +19,15 @@ from torch import nn
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
 
 
-class BlocksOnly(MLPClassifier):
+class ValidatedMLP(MLPClassifier):
+    """`MLPClassifier` with a validation step."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y))
+
+
+class BlocksOnly(ValidatedMLP):
     """Every weight inside the blocks, all of one shape (nothing outside them to place): the last stage's blocks are
     the ones a checkpoint gathers from another rank, and an averaged copy of the whole module lines up with any
     stage's weights without an error."""
@@ -51,23 +59,29 @@ def _module(name: str) -> L.LightningModule:
         from real_models import HFGPT2
 
         return HFGPT2()
-    return {"blocks_only": BlocksOnly, "mlp": MLPClassifier, "normed": NormedBlocks}[name]()
+    return {"blocks_only": BlocksOnly, "mlp": ValidatedMLP, "normed": NormedBlocks}[name]()
 
 
 def averaged(model: str, dirpath: str, strategy: Any = "auto", devices: int = 1, ckpt_path: str | None = None,
              max_steps: int = 4) -> dict[str, Any]:
     """Fit ``model`` with ``EMAWeightAveraging`` (decay 0.5: every step shows) and a ``ModelCheckpoint`` every two
-    steps into ``dirpath`` (``step=N.ckpt``), then save ``after_fit.ckpt`` by hand; return the live weights."""
+    steps into ``dirpath`` (``step=N.ckpt``), validating every two steps (the averaged weights swapped in), then save
+    ``after_fit.ckpt`` by hand and validate again; return the live weights, the logged values and the validation."""
     L.seed_everything(7, verbose=False)
     module = _module(model)
     checkpoint = ModelCheckpoint(dirpath=dirpath, filename="{step}", every_n_train_steps=2, save_top_k=-1)
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps, logger=False,
+    logger = RecordingLogger()
+    validated = model != "hf_gpt2"
+    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps, logger=logger,
                         callbacks=[EMAWeightAveraging(decay=0.5), checkpoint], enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False)
-    data = None if model == "hf_gpt2" else make_data("mlp")
-    trainer.fit(module, data, ckpt_path=ckpt_path)
+                        enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
+                        log_every_n_steps=1, val_check_interval=2 if validated else None,
+                        limit_val_batches=None if validated else 0)
+    data, val = (make_data("mlp"), make_data("mlp", seed=99)) if validated else (None, None)
+    trainer.fit(module, data, val, ckpt_path=ckpt_path)
     trainer.save_checkpoint(str(Path(dirpath) / "after_fit.ckpt"))
-    return {"state": {k: v.detach().clone() for k, v in module.state_dict().items()}}
+    return {"state": {k: v.detach().clone() for k, v in module.state_dict().items()}, "history": logger.history,
+            "validate": trainer.validate(module, val, verbose=False) if validated else None}
 
 
 def pipelined_averaged(runs: list[dict[str, Any]], **strategy: Any) -> list[dict[str, Any]]:
@@ -111,7 +125,7 @@ def pipelined_throughput(**strategy: Any) -> dict[str, Any]:
     return throughput(PipelineParallelStrategy(timeout=60, **strategy), WORLD_SIZE)
 
 
-class TunedMLP(MLPClassifier):
+class TunedMLP(ValidatedMLP):
     """`MLPClassifier` with SGD at the learning rate in ``self.lr`` (what the learning-rate finder sets) and a
     validation step."""
 
@@ -121,10 +135,6 @@ class TunedMLP(MLPClassifier):
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=self.lr, momentum=0.9)  # (weights compared element-wise)
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        self.log("val_loss", nn.functional.cross_entropy(self(x), y))
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         return self(batch[0]).softmax(-1)

@@ -61,19 +61,27 @@ def test_weight_averaging_checkpoints_equal_one_devices_file(tmp_path: Path) -> 
     averaged model (``state_dict``), the live one (``current_model_state``) and the averaging state as one device's
     file does, entry by entry: every weight inside the blocks (the last stage's gathered from another rank), weights
     outside them kept where used (the averaged copy follows the stage's weights), Hugging Face GPT-2 (tied head), and
-    a pipelined run resumed from a pipelined file."""
+    a pipelined run resumed from a pipelined file; validation during fit (the averages swapped in) and ``validate``
+    after it give one device's values."""
     models = ("blocks_only", "mlp", "hf_gpt2")
-    for model in models:
-        callback_scenarios.averaged(model, str(tmp_path / "one" / model))
-    callback_scenarios.averaged("mlp", str(tmp_path / "one" / "resumed"),
-                                ckpt_path=str(tmp_path / "one" / "mlp" / "step=2.ckpt"))
+    wants = [callback_scenarios.averaged(model, str(tmp_path / "one" / model)) for model in models]
+    wants.append(callback_scenarios.averaged("mlp", str(tmp_path / "one" / "resumed"),
+                                             ckpt_path=str(tmp_path / "one" / "mlp" / "step=2.ckpt")))
     runs = [{"model": model, "dirpath": str(tmp_path / "pipe" / model)} for model in models]
     runs.append({"model": "mlp", "dirpath": str(tmp_path / "pipe" / "resumed"),
                  "ckpt_path": str(tmp_path / "pipe" / "mlp" / "step=2.ckpt")})
     ranks = launch(2, [{"scenario": "callback_scenarios:pipelined_averaged",
                         "kwargs": {"runs": runs, "schedule": "1f1b", "microbatches": 2}}], timeout=300)
     assert not any(rank.errors for rank in ranks), [rank.errors for rank in ranks]
-    for name in (*models, "resumed"):
+    for index, name in enumerate((*models, "resumed")):
+        got, want = ranks[0].results[0][index], wants[index]
+        assert [m for _, m in got["history"] if "val_loss" in m] == [m for _, m in want["history"] if "val_loss" in m]
+        if want["validate"] is not None:
+            validations = 2 if name == "resumed" else 3  # at steps 2 (not when resumed there) and 4, and validate
+            assert len([m for _, m in want["history"] if "val_loss" in m]) == validations, want["history"]
+            for rank in ranks:
+                (validated,) = rank.results[0][index]["validate"]
+                assert validated == pytest.approx(want["validate"][0], abs=1e-6), name
         files = sorted(p.name for p in (tmp_path / "one" / name).iterdir())
         assert files == ["after_fit.ckpt", *(["step=2.ckpt"] if name != "resumed" else []), "step=4.ckpt"], files
         assert sorted(p.name for p in (tmp_path / "pipe" / name).iterdir()) == files, name

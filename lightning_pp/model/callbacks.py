@@ -49,9 +49,10 @@ _REFUSED: dict[type, str] = {
         "split gathers into checkpoints. Prune on one device before or after the pipelined run "
         "(torch.nn.utils.prune, then prune.remove so that only `weight` remains)"),
     BatchSizeFinder: (
-        "it catches an out-of-memory error on the rank where it happens while the other stages wait for that rank's "
-        "transfers (Lightning refuses it under every distributed strategy too). Set the batch size by hand (a multiple "
-        "of `microbatches`): try sizes in short runs and read each stage's peak memory from PipelineMonitor"),
+        "it (also what Tuner.scale_batch_size runs) catches an out-of-memory error on the rank where it happens while "
+        "the other stages wait for that rank's transfers (Lightning refuses it under every distributed strategy too). "
+        "Set the batch size by hand (a multiple of `microbatches`): try sizes in short runs and read each stage's "
+        "peak memory from PipelineMonitor (pipeline/stage{s}/peak_memory_mb)"),
     OnExceptionCheckpoint: (
         "a full checkpoint gathers every stage's weights, but a failure on one rank ends every rank of the job (the "
         "strategy takes them down so that none waits for a dead peer), so the gather would wait for ranks that are "
