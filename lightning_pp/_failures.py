@@ -56,7 +56,10 @@ class FailureSignal:
             time.sleep(1.5)  # rank 0 hosts the store: let the other ranks read the flag before this process ends
 
     def stop(self) -> None:
+        """Stop watching, and wait for the watcher to end (a run's teardown leaves no thread behind)."""
         self._stop.set()
+        if self._thread is not threading.current_thread():
+            self._thread.join(timeout=2 * _POLL_S)
 
     def reported(self) -> str | None:
         """Another rank's failure report, if there is one (kept by the watcher: the store may be gone with rank 0)."""

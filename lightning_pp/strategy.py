@@ -116,6 +116,7 @@ class PipelineParallelStrategy(ReplicaCollectives, PipelineDataHooks, LoopHooks)
         self._process_group_backend = process_group_backend  # chosen from the device in setup_environment if None
         self._num_nodes = 1
         self._session: StageSession | None = None  # this rank's stage during a Trainer run, from setup to teardown
+        self._closed_checkpoints: StageCheckpoints | None = None  # the latest run's, once it ended
         # pipedream_2bw: the gradient the latest fit left unapplied (by name), for checkpoints saved after it
         self._unapplied_gradient: dict[str, torch.Tensor] = {}
         # a gloo group over the world for object collectives where the default group is not gloo (None: the default)
@@ -363,8 +364,9 @@ class PipelineParallelStrategy(ReplicaCollectives, PipelineDataHooks, LoopHooks)
 
     @property
     def _checkpoints(self) -> StageCheckpoints:
-        assert self._session is not None
-        return self._session.checkpoints
+        checkpoints = self._session.checkpoints if self._session is not None else self._closed_checkpoints
+        assert checkpoints is not None
+        return checkpoints
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
@@ -402,7 +404,8 @@ class PipelineParallelStrategy(ReplicaCollectives, PipelineDataHooks, LoopHooks)
     @override
     def teardown(self) -> None:
         if self._session is not None:
-            self._session.close()
+            self._session.close()  # then kept no longer: it holds the run's groups, which free their threads when let go
+            self._closed_checkpoints, self._session = self._session.checkpoints, None  # for saves after the run
         if self.object_group is not None and dist.is_initialized():
             dist.destroy_process_group(self.object_group)
         self.object_group = None  # the mesh stays: blocks sharded over it gather through it after fit too

@@ -73,6 +73,14 @@ def release(assembly: StageAssembly) -> None:
     view.eager, view.rank_of = None, int  # outside a run, the blocks refuse to run again
 
 
+def _not_on_last_stage(module: pl.LightningModule, schedules: Callable[[int, bool], Schedule],
+                       microbatches: int) -> set[str]:
+    """The state entries the last stage does not hold (weights used before the blocks only)."""
+    placement = placement_of(module)
+    last_rank = schedules(microbatches, False).stage_to_rank[-1]
+    return placement.missing_keys(last_rank) if placement is not None else set()
+
+
 class StageSession:
     """This rank's stage during one Trainer run. ``object_group()`` is the group for object collectives now (None:
     the default group); ``new_group(ranks)`` creates a group of the job's backend."""
@@ -112,10 +120,11 @@ class StageSession:
             refuse_for_delayed_updates(module.trainer)
             self.driver.delayed = DelayedUpdates(stream_cuts(layout.num_stages, microbatches), self.stage)
         self.checkpoints = StageCheckpoints(
-            module, partition, self._not_on_last_stage, world=layout.world_size, rank=rank, stage=self.stage,
-            lane=layout.lane_of(rank), num_stages=layout.num_stages, rank_of=layout.rank,
-            object_group=object_group, device=device)
-        adapt_callbacks(module.trainer, module, gather=lambda: self.checkpoints.module_state("full"),
+            module, partition, lambda: _not_on_last_stage(module, schedules, microbatches),
+            world=layout.world_size, rank=rank, stage=self.stage, lane=layout.lane_of(rank),
+            num_stages=layout.num_stages, rank_of=layout.rank, object_group=object_group, device=device)
+        checkpoints = self.checkpoints  # (closures that outlive the run hold no session: it holds the run's groups)
+        adapt_callbacks(module.trainer, module, gather=lambda: checkpoints.module_state("full"),
                         num_replicas=layout.num_replicas, split=pipelined, fitting=fitting)
         self._undo_summary = summarize_whole_model(module.trainer, layout.stage_of, object_group) if pipelined else None
         # until training starts (see set_aside_example_input)
@@ -280,12 +289,6 @@ class StageSession:
         """Where ``self.log`` in the hooks around the optimizer step is combined over the pipeline (see
         :class:`~lightning_pp._logs.HookLogs`)."""
         return self._hook_logs.combining(self.module, collective) if self._hook_logs is not None else nullcontext()
-
-    def _not_on_last_stage(self) -> set[str]:
-        """The state entries the last stage does not hold (weights used before the blocks only)."""
-        placement = placement_of(self.module)
-        last_rank = self.schedules(self.microbatches, False).stage_to_rank[-1]
-        return placement.missing_keys(last_rank) if placement is not None else set()
 
     def restore_example_input(self) -> None:
         if self._example_input is not None:
