@@ -169,3 +169,22 @@ def test_tuner_lr_find_and_the_callbacks_that_need_nothing_equal_one_device() ->
     assert len(want["written"]) == 4
     for rank in ranks:
         torch.testing.assert_close(rank.results[0]["written"], want["written"], rtol=RTOL, atol=ATOL)
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(300)
+def test_weight_averaging_with_replicas_equals_one_device(tmp_path: Path) -> None:
+    """2 replicas x 2 stages, every replica loading every batch (no distributed sampler, so one device is the
+    reference): each replica averages the same weights, and the files (replica 0's gathered) and validation equal one
+    device's."""
+    want = callback_scenarios.averaged("mlp", str(tmp_path / "one"))
+    ranks = launch(4, [{"scenario": "callback_scenarios:pipelined_averaged",
+                        "kwargs": {"runs": [{"model": "mlp", "dirpath": str(tmp_path / "pipe")}], "schedule": "1f1b",
+                                   "microbatches": 2, "pipeline_parallel_size": 2}}], timeout=200)
+    assert not any(rank.errors for rank in ranks), [rank.errors for rank in ranks]
+    got = ranks[0].results[0][0]
+    assert [m for _, m in got["history"] if "val_loss" in m] == [m for _, m in want["history"] if "val_loss" in m]
+    for rank in ranks:
+        assert rank.results[0][0]["validate"][0] == pytest.approx(want["validate"][0], abs=1e-6)
+    for file in ("step=2.ckpt", "step=4.ckpt", "after_fit.ckpt"):
+        _assert_same_file(tmp_path / "pipe" / file, tmp_path / "one" / file)

@@ -9,7 +9,6 @@ live one is; ``ThroughputMonitor`` counts a pipeline, not each of its ranks, as 
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Mapping
 from types import MethodType
 from typing import Any
@@ -32,8 +31,6 @@ from lightning_pp import _compat
 from lightning_pp.errors import PipelineConfigError
 
 __all__ = ["StageAveragedModel", "adapt_callbacks", "batch_statistics_modules", "check_callbacks"]
-
-log = logging.getLogger(__name__)
 
 # the callbacks refused, each with why and what to use instead
 _REFUSED: dict[type, str] = {
