@@ -194,13 +194,13 @@ class BatchGuard:
         if not self.peers:
             yield
             return
-        mine = torch.tensor(noted if noted is not None else fingerprint(batch), dtype=torch.float64)
+        mine = torch.tensor(noted if noted is not None else fingerprint(batch), dtype=torch.float64, device="cpu")
         mine[_ENDS] = float(self._ends_loop(step_name))
         for sent, _ in self._sending:  # the previous step's: every peer received them by the end of that step
             sent.wait()
         theirs = {}
         for peer in self.peers:  # receives first: on gloo a send that finds its receive posted leaves at once
-            buffer = torch.empty(4, dtype=torch.float64)
+            buffer = torch.empty(4, dtype=torch.float64, device="cpu")
             theirs[peer] = (buffer, dist.irecv(buffer, peer, group=self.group, tag=_TAG))
         self._sending = [(work, mine) for peer in self.peers
                          if (work := dist.isend(mine, peer, group=self.group, tag=_TAG)) is not None]

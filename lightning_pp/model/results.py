@@ -174,14 +174,14 @@ class ResultExchange:
 
     def agree(self, wanted: bool) -> bool:
         """Whether any stage of the pipeline wants something (every stage calls this)."""
-        flag = torch.tensor([float(wanted)])
+        flag = torch.tensor([float(wanted)], device="cpu")
         dist.all_reduce(flag, op=dist.ReduceOp.MAX, group=self.group)
         return bool(flag.item())
 
     def expect(self) -> None:
         """Post the receive of the next step's message (not on the source; call when the step starts)."""
         if not self.is_source and self._posted is None:
-            message = torch.empty(_MESSAGE_LEN, dtype=torch.float64)
+            message = torch.empty(_MESSAGE_LEN, dtype=torch.float64, device="cpu")
             work = dist.irecv(message, self.source, group=self.group, tag=_MESSAGE_TAG)
             assert work is not None  # this rank is in the group
             self._posted = message, work
@@ -203,15 +203,16 @@ class ResultExchange:
             flags |= _OUTPUTS if self._structure is not None and _same(structure, self._structure) \
                 else _OUTPUTS | _STRUCTURE
         head = [math.nan if loss is None else loss, float(flags), float(len(numbers)), *numbers[:_INLINE]]
-        buffers = [(torch.tensor(head + [0.0] * (_MESSAGE_LEN - len(head)), dtype=torch.float64), _MESSAGE_TAG)]
+        message = torch.tensor(head + [0.0] * (_MESSAGE_LEN - len(head)), dtype=torch.float64, device="cpu")
+        buffers = [(message, _MESSAGE_TAG)]
         # what follows, in this order, where the message's flags and count say so
         if len(numbers) > _INLINE:
-            buffers.append((torch.tensor(numbers[_INLINE:], dtype=torch.float64), _FOLLOWING_TAG))
+            buffers.append((torch.tensor(numbers[_INLINE:], dtype=torch.float64, device="cpu"), _FOLLOWING_TAG))
         if flags & (_LAYOUT | _STRUCTURE):
             # the structure travels rebuilt, not flattened: unpickling a flattened description warns
             rebuilt = tree_unflatten(*structure) if structure is not None and flags & _STRUCTURE else None
             pickled = self._pickle((layout if flags & _LAYOUT else None, rebuilt))
-            buffers += [(torch.tensor([pickled.numel()], dtype=torch.int64), _FOLLOWING_TAG),
+            buffers += [(torch.tensor([pickled.numel()], dtype=torch.int64, device="cpu"), _FOLLOWING_TAG),
                         (pickled, _FOLLOWING_TAG)]
         if flags & _OUTPUTS and tensors:
             buffers.append((pack(tensors, torch.device("cpu")), _FOLLOWING_TAG))
@@ -244,11 +245,11 @@ class ResultExchange:
         loss, flags, count = values[0], int(values[1]), int(values[2])
         numbers = values[3:3 + min(count, _INLINE)]
         if count > _INLINE:
-            numbers += self._receive(torch.empty(count - _INLINE, dtype=torch.float64)).tolist()
+            numbers += self._receive(torch.empty(count - _INLINE, dtype=torch.float64, device="cpu")).tolist()
         if flags & (_LAYOUT | _STRUCTURE):
-            size = self._receive(torch.empty(1, dtype=torch.int64))
+            size = self._receive(torch.empty(1, dtype=torch.int64, device="cpu"))
             sent_layout, sent_structure = pickle.loads(
-                self._receive(torch.empty(int(size.item()), dtype=torch.uint8)).numpy().tobytes())
+                self._receive(torch.empty(int(size.item()), dtype=torch.uint8, device="cpu")).numpy().tobytes())
             if sent_layout is not None:
                 self._layout = sent_layout
             if flags & _STRUCTURE:
@@ -267,7 +268,7 @@ class ResultExchange:
         layout = [(leaf.dtype, list(leaf.shape)) for leaf in leaves if isinstance(leaf, _Slot)]
         tensors: list[Tensor] = []
         if layout:
-            buffer = self._receive(torch.empty(packed_size(layout), dtype=torch.uint8))
+            buffer = self._receive(torch.empty(packed_size(layout), dtype=torch.uint8, device="cpu"))
             # copies that own their memory: torch.save refuses tensors of several dtypes sharing one buffer
             tensors = [tensor.clone() for tensor in unpack(buffer, layout)]
         received = iter(tensors)
