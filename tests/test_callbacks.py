@@ -188,3 +188,16 @@ def test_weight_averaging_with_replicas_equals_one_device(tmp_path: Path) -> Non
         assert rank.results[0][0]["validate"][0] == pytest.approx(want["validate"][0], abs=1e-6)
     for file in ("step=2.ckpt", "step=4.ckpt", "after_fit.ckpt"):
         _assert_same_file(tmp_path / "pipe" / file, tmp_path / "one" / file)
+
+
+def test_a_refused_callback_stops_fit_at_setup() -> None:
+    """Through ``fit`` (one process, one stage): the strategy's setup refuses before anything trains."""
+    from models import make_data
+
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=PipelineParallelStrategy(), max_steps=1, logger=False,
+                        callbacks=[ModelPruning("l1_unstructured")], enable_progress_bar=False)
+    module = callback_scenarios.BlocksOnly()
+    before = {k: v.clone() for k, v in module.state_dict().items()}
+    with pytest.raises(PipelineConfigError, match=r"^ModelPruning does not work with PipelineParallelStrategy: "):
+        trainer.fit(module, make_data("mlp"))
+    assert all(torch.equal(v, before[k]) for k, v in module.state_dict().items())
