@@ -298,7 +298,9 @@ def test_parameter_bytes_of_a_sharded_weight_are_its_local_shard() -> None:
 
     from lightning_pp._memory import optimizer_state_size
 
-    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    created = not dist.is_initialized()  # (an earlier one-process fit in this process may have left its group)
+    if created:
+        dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
     try:
         mesh = init_device_mesh("cpu", (1,), mesh_dim_names=("data_parallel",))
         block = nn.Linear(4, 8, bias=False)
@@ -310,7 +312,8 @@ def test_parameter_bytes_of_a_sharded_weight_are_its_local_shard() -> None:
         optimizer.state[block.weight]["momentum_buffer"] = torch.zeros_like(block.weight)  # a DTensor too
         assert stage_parameter_bytes(block, {0: [block]}, size=optimizer_state_size([optimizer])) == {0: 2 * 4 * 4}
     finally:
-        dist.destroy_process_group()
+        if created:
+            dist.destroy_process_group()
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
