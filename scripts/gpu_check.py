@@ -434,15 +434,23 @@ def timing_check(model: str) -> Callable[[], str]:
 def plain_loop(make: Callable[[], L.LightningModule], data: Callable[[], DataLoader], steps: int) -> float:
     torch.manual_seed(0)
     module = make().to(S.device)
-    optimizer = module.configure_optimizers()
+
+    def step(index: int, batch: Any) -> None:
+        batch = [t.to(S.device) for t in batch] if isinstance(batch, list) else batch.to(S.device)
+        module.training_step(batch, index).backward()
+
+    return timed_loop(data(), steps, step, module.configure_optimizers())
+
+
+def timed_loop(batches: DataLoader, steps: int, step: Callable[[int, Any], None], optimizer: Any) -> float:
+    """The median step of a plain loop: the clock read at the top of every iteration, after the device's queue."""
     marks = []
-    for index, batch in enumerate(data()):
+    for index, batch in enumerate(batches):
         synchronize()
         marks.append(time.perf_counter())
         if index == steps:
             break
-        batch = [t.to(S.device) for t in batch] if isinstance(batch, list) else batch.to(S.device)
-        module.training_step(batch, index).backward()
+        step(index, batch)
         optimizer.step()
         optimizer.zero_grad()
     return median_step(marks)
@@ -506,21 +514,15 @@ def torch_pipelining(make: Callable[[], L.LightningModule], data: Callable[[], D
     try:
         stages = [PipelineStage(part, index, 2, S.device) for index, part in enumerate(parts)]
         schedule = ScheduleInterleaved1F1B(stages, n_microbatches=8, loss_fn=loss_fn)
-        optimizer = module.configure_optimizers()
-        marks = []
-        for index, batch in enumerate(data()):
-            synchronize()
-            marks.append(time.perf_counter())
-            if index == steps:
-                break
+
+        def step(index: int, batch: Any) -> None:
             x, y = (batch[:, :-1], batch[:, 1:]) if gpt else batch
             schedule.step(x.to(S.device), target=y.to(S.device))
-            optimizer.step()
-            optimizer.zero_grad()
+
+        return timed_loop(data(), steps, step, module.configure_optimizers())
     finally:
         if created:
             dist.destroy_process_group()
-    return median_step(marks)
 
 
 # ------------------------------------------------------------------------------------------------------------- run
