@@ -16,7 +16,6 @@ from lightning.pytorch.callbacks import (
     BatchSizeFinder,
     EMAWeightAveraging,
     ModelPruning,
-    OnExceptionCheckpoint,
     StochasticWeightAveraging,
 )
 from support import ATOL, RTOL, prefixed
@@ -90,6 +89,29 @@ def test_weight_averaging_checkpoints_equal_one_devices_file(tmp_path: Path) -> 
 
 
 @pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_weight_averaging_under_split_backward_schedules_equals_one_devices_file(tmp_path: Path) -> None:
+    """The same files, entry by entry, under the schedules that split the backward: ZB-H1 (one stage per rank) and
+    ZBV (two per rank, in a V: the last stage's blocks live on rank 0 beside the first's)."""
+    models = ("blocks_only", "mlp")
+    wants = {model: callback_scenarios.averaged(model, str(tmp_path / "one" / model)) for model in models}
+    jobs = [{"scenario": "callback_scenarios:pipelined_averaged",
+             "kwargs": {"runs": [{"model": model, "dirpath": str(tmp_path / schedule / model)} for model in models],
+                        "schedule": schedule, "microbatches": 4}} for schedule in ("zb_h1", "zbv")]
+    ranks = launch(2, jobs, timeout=300)
+    assert not any(rank.errors for rank in ranks), [rank.errors for rank in ranks]
+    for job_index, schedule in enumerate(("zb_h1", "zbv")):
+        for index, model in enumerate(models):
+            got, want = ranks[0].results[job_index][index], wants[model]
+            assert [m for _, m in got["history"] if "val_loss" in m] == [
+                m for _, m in want["history"] if "val_loss" in m], (schedule, model)
+            files = sorted(p.name for p in (tmp_path / "one" / model).iterdir())
+            assert sorted(p.name for p in (tmp_path / schedule / model).iterdir()) == files, (schedule, model)
+            for file in files:
+                _assert_same_file(tmp_path / schedule / model / file, tmp_path / "one" / model / file)
+
+
+@pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_norms_with_batch_statistics_warn_once_and_throughput_logs_what_one_device_logs() -> None:
     """A BatchNorm and an InstanceNorm with running statistics in the blocks: one warning on global rank 0 naming
@@ -114,7 +136,7 @@ def test_norms_with_batch_statistics_warn_once_and_throughput_logs_what_one_devi
 
 
 @pytest.mark.parametrize("callback", [StochasticWeightAveraging(swa_lrs=0.1), ModelPruning("l1_unstructured"),
-                                      BatchSizeFinder(), OnExceptionCheckpoint(".")],
+                                      BatchSizeFinder()],
                          ids=lambda c: type(c).__name__)
 def test_callbacks_that_cannot_give_one_devices_result_are_refused(callback: L.Callback) -> None:
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=PipelineParallelStrategy(), callbacks=[callback],
