@@ -416,7 +416,7 @@ def test_a_tensor_from_weights_outside_the_blocks_in_every_block_with_split_back
     the weight-gradient pass ran that tensor's graph twice (torch's ``Trying to backward through the graph a second
     time``), while 1F1B was exact."""
     runs = [job("relative_positions", schedule=schedule, microbatches=4) for schedule in ("zb_h1", "zbv", "dualpipev")]
-    runs += [job("hf_deberta", schedule=schedule, microbatches=4) for schedule in ("zb_h1", "zbv")]
+    runs += [job("hf_deberta", schedule=schedule, microbatches=4) for schedule in ("1f1b", "zb_h1", "zbv")]
     check_all(2, runs, [matches(run["kwargs"]["model"]) for run in runs], timeout=300)
 
 
