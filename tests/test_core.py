@@ -32,8 +32,8 @@ def test_balance_errors_name_values_and_fix() -> None:
 def test_too_few_blocks_for_several_stages_per_rank_says_so() -> None:
     """Issue 39, finding 8: interleaved with too few blocks suggested fewer devices; the stages per rank are the
     knob."""
-    with pytest.raises(PipelineConfigError, match=r"8 blocks but stages_per_rank=5 on 2 ranks makes 10 stages "
-                                                  r"\(5 x 2\).*Use stages_per_rank=4 or fewer, or schedule='1f1b'") as info:
+    with pytest.raises(PipelineConfigError, match=r"8 blocks but stages_per_rank=5 on 2 ranks makes 10 stages \(5 x "
+                                                  r"2\).*Use stages_per_rank=4 or fewer, or schedule='1f1b'") as info:
         uniform_balance(8, 10, stages_per_rank=5)
     assert "devices" not in str(info.value)
     with pytest.raises(PipelineConfigError, match=r"3 blocks but stages_per_rank=2 on 2 ranks.*Use schedule='1f1b'"):

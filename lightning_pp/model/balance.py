@@ -523,7 +523,8 @@ def resolve_balance(by: str, module: pl.LightningModule, blocks: str | None, num
     many of the ``num_stages`` each rank holds.
     """
     name, container = find_blocks(module, blocks)
-    uniform_balance(len(_blocks(container)), num_stages, stages_per_rank)  # too few blocks: an error on every rank, before measuring
+    # too few blocks: an error on every rank, before measuring
+    uniform_balance(len(_blocks(container)), num_stages, stages_per_rank)
     if by == "params":
         return parameter_balance(container, num_stages)
     reason = why_not_time(trainer, module)
