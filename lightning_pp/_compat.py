@@ -167,11 +167,13 @@ def summary_depth(callback: Any) -> int:
     return int(callback._max_depth)
 
 
-def replace_sigterm_handling(trainer: Any, agree: Callable[[], None]) -> Callable[[], None]:
+def replace_sigterm_handling(trainer: Any, agree: Callable[[], None],
+                             record: Callable[[], None] | None = None) -> Callable[[], None]:
     """Have the training loop call ``agree()`` where it broadcasts, at every step's start, whether rank 0 received
     SIGTERM (a barrier of every rank), and Lightning's SIGTERM handler leave out its own broadcast (which meets that
-    one): it still stops the processes Lightning launched and records the signal. Returns what undoes both; a no-op
-    where the loop or the handler are not as expected, or off the main thread (where no handler can be set)."""
+    one): it still stops the processes Lightning launched and records the signal (``record()`` instead, where given:
+    then ``trainer.received_sigterm`` stays false, and no rank stops at its own step's end). Returns what undoes both;
+    a no-op where the loop or the handler are not as expected, or off the main thread (where no handler can be set)."""
     loop = trainer.fit_loop.epoch_loop
     connector = trainer._signal_connector
     notifier = getattr(connector, "_sigterm_notifier_fn", None)
@@ -181,10 +183,16 @@ def replace_sigterm_handling(trainer: Any, agree: Callable[[], None]) -> Callabl
         return lambda: None
     others = [h for h in getattr(handler, "signal_handlers", [handler]) if h != notifier and callable(h)]
 
+    forwarded: list[bool] = []
+
     def notify(signum: int, frame: Any) -> None:
-        if not connector.received_sigterm and trainer.strategy.launcher is not None:
+        if not (connector.received_sigterm or forwarded) and trainer.strategy.launcher is not None:
             trainer.strategy.launcher.kill(signum)
-        connector.received_sigterm = True
+        forwarded.append(True)
+        if record is not None:
+            record()
+        else:
+            connector.received_sigterm = True
         for other in others:
             other(signum, frame)
 
@@ -196,6 +204,11 @@ def replace_sigterm_handling(trainer: Any, agree: Callable[[], None]) -> Callabl
         if threading.current_thread() is threading.main_thread():
             signal.signal(signal.SIGTERM, handler)
     return undo
+
+
+def mark_sigterm_received(trainer: Any) -> None:
+    """Set what ``trainer.received_sigterm`` reads, as Lightning's SIGTERM handler does."""
+    trainer._signal_connector.received_sigterm = True
 
 
 def replace_summary(callback: Any, summary: Callable[[Any, Any], Any]) -> Callable[[], None]:

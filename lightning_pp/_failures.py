@@ -35,7 +35,9 @@ class FailureSignal:
         self._key = f"lightning_pp/failed/{job}"
         self._rank = rank
         self._grace = grace
-        self._message: str | None = None
+        self._message: str | None = None  # another rank's report
+        self._own: str | None = None  # this rank's report
+        self._said_skipped = False
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._watch, name="lightning_pp-failure-watcher", daemon=True)
         self._thread.start()
@@ -48,8 +50,12 @@ class FailureSignal:
         return cls(store, _fits_started, rank, grace)
 
     def report(self, message: str) -> None:
-        """Tell every rank this one failed (called once, on the failing rank; its own watcher stops)."""
-        self._stop.set()
+        """Tell every rank this one failed (on the failing rank; once, later calls do nothing). Its own watcher goes
+        on: should this rank not end within ``grace`` either (stuck in a callback's collective no peer joins), it
+        ends the process as it ends the others."""
+        if self._own is not None:
+            return
+        self._own = message
         with contextlib.suppress(Exception):  # the store may be gone with rank 0; the transfers' timeouts remain
             self._store.set(self._key, message)
         if self._rank == 0:
@@ -61,6 +67,18 @@ class FailureSignal:
         if self._thread is not threading.current_thread():
             self._thread.join(timeout=2 * _POLL_S)
 
+    def skips(self, what: str) -> bool:
+        """Whether ``what`` (a checkpoint's gather, write or barrier) is to be skipped because the job failed, here or
+        on another rank: a failed pipeline holds no state every stage agrees on, and its ranks meet no more (a peer
+        may be gone or stuck). Says why once."""
+        failure = self._own or self.reported()
+        if failure is not None and not self._said_skipped:
+            self._said_skipped = True
+            print(f"lightning_pp: rank {self._rank}: {what} skipped: the job failed ({failure[:500]}). A checkpoint "
+                  f"needs every stage, and a failed job's ranks meet no more: resume from one saved before the "
+                  f"failure (ModelCheckpoint(every_n_train_steps=N)).", file=sys.stderr, flush=True)
+        return failure is not None
+
     def reported(self) -> str | None:
         """Another rank's failure report, if there is one (kept by the watcher: the store may be gone with rank 0)."""
         if self._message is None:
@@ -71,17 +89,20 @@ class FailureSignal:
 
     def _watch(self) -> None:
         seen_at: float | None = None
+        message = None
         while not self._stop.wait(_POLL_S):
-            if seen_at is None:
+            if seen_at is None and self._own is not None:  # its own failure: it may get stuck after it too
+                seen_at, message = time.monotonic(), self._own
+            elif seen_at is None:
                 try:
                     if not self._store.check([self._key]):
                         continue
-                    self._message = self._store.get(self._key).decode(errors="replace")
+                    message = self._message = self._store.get(self._key).decode(errors="replace")
                 except Exception:
                     return
                 seen_at = time.monotonic()
             elif time.monotonic() - seen_at > self._grace:
-                print(f"lightning_pp: rank {self._rank} ends: {self._message} (this rank had not finished "
+                print(f"lightning_pp: rank {self._rank} ends: {message} (this rank had not finished "
                       f"{self._grace:.0f} s after that failure)", file=sys.stderr, flush=True)
                 os._exit(1)
 

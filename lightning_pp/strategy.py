@@ -27,6 +27,7 @@ from typing_extensions import override
 
 from lightning_pp import _compat
 from lightning_pp._allocator import keep_freed_cpu_memory
+from lightning_pp._ending import AgreedSigterm, listen_first, stop_listening
 from lightning_pp._failures import FailureSignal, naming_failures
 from lightning_pp.checkpoint import PENDING_GRADIENT_KEY, StageCheckpoints
 from lightning_pp.collectives import ReplicaCollectives
@@ -215,6 +216,8 @@ class PipelineParallelStrategy(ReplicaCollectives, PipelineDataHooks, LoopHooks)
         if self._world > 1:
             self._failures = FailureSignal.for_this_fit(_compat._default_store(), self.global_rank,
                                                         grace=self.timeout + 5)
+            if self.lightning_module is not None:  # told before any callback's on_exception runs a collective
+                listen_first(self.lightning_module.trainer, self.on_exception)
 
     @override
     def setup(self, trainer: pl.Trainer) -> None:
@@ -302,10 +305,12 @@ class PipelineParallelStrategy(ReplicaCollectives, PipelineDataHooks, LoopHooks)
 
     @override
     def on_exception(self, exception: BaseException) -> None:
-        """Make this rank's failure end the whole job: tell the other ranks, and take down the launched ones."""
+        """Make this rank's failure end the whole job: tell the other ranks, take down the launched ones (first among
+        the callbacks' on_exception, see lightning_pp._ending; again here, a no-op)."""
+        if isinstance(exception, AgreedSigterm):
+            return  # every rank stops at this step: nothing failed
         if self._failures is not None:
             self._failures.report(f"{self._where()} failed: {type(exception).__name__}: {str(exception)[:2000]}")
-            self._failures = None
         launcher = self.launcher
         if isinstance(launcher, _compat._SubprocessScriptLauncher) and launcher.procs:
             launcher.kill(signal.SIGKILL)
@@ -370,14 +375,25 @@ class PipelineParallelStrategy(ReplicaCollectives, PipelineDataHooks, LoopHooks)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return self._checkpoints.module_state(self.options.checkpoint_format)
+        return {} if self._failed("A checkpoint") else self._checkpoints.module_state(self.options.checkpoint_format)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        return self._checkpoints.optimizer_state(optimizer, full=self.options.checkpoint_format == "full")
+        full = self.options.checkpoint_format == "full"
+        return {} if self._failed("A checkpoint") else self._checkpoints.optimizer_state(optimizer, full=full)
+
+    def _failed(self, what: str) -> bool:  # a failed job saves nothing (OnExceptionCheckpoint): its ranks meet no more
+        return self._failures is not None and self._failures.skips(what)
+
+    @override
+    def barrier(self, name: str | None = None) -> None:
+        if not self._failed(f"The barrier {name}"):
+            super().barrier(name)
 
     @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        if self._failed(f"Saving {filepath}"):
+            return
         if self.options.schedule == "pipedream_2bw" and "optimizer_states" in checkpoint:  # not weights only
             pending = self._session.pending_gradient(self._collective) if self._session is not None else None
             self._checkpoints.add_pending_gradient(checkpoint, self._unapplied_gradient if pending is None else pending,
@@ -404,7 +420,7 @@ class PipelineParallelStrategy(ReplicaCollectives, PipelineDataHooks, LoopHooks)
     @override
     def teardown(self) -> None:
         if self._session is not None:
-            self._session.close()  # then kept no longer: it holds the run's groups, which free their threads when let go
+            self._session.close()  # and let go: it holds the run's groups, which free their threads only then
             self._closed_checkpoints, self._session = self._session.checkpoints, None  # for saves after the run
         if self.object_group is not None and dist.is_initialized():
             dist.destroy_process_group(self.object_group)
@@ -412,6 +428,7 @@ class PipelineParallelStrategy(ReplicaCollectives, PipelineDataHooks, LoopHooks)
         if self._failures is not None:
             self._failures.stop()
             self._failures = None
+        stop_listening(self.lightning_module)
         if is_sharded_module(self.lightning_module):  # as ModelParallelStrategy: shards stay on their devices
             self.precision_plugin.teardown()
         else:

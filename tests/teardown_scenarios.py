@@ -82,12 +82,12 @@ def sigterm_every_rank(dirpath: str, step: int, timeout: float = 30, max_steps: 
     trainer_ref: list[L.Trainer] = []
 
     class Keep(L.Callback):
-        def setup(self, trainer: L.Trainer, *args: Any) -> None:
+        def setup(self, trainer: L.Trainer, *args: Any, **kwargs: Any) -> None:
             trainer_ref.append(trainer)
 
     try:
         fit("mlp", PipelineParallelStrategy(timeout=timeout, **strategy), devices=DEVICES, max_steps=max_steps,
-            callbacks=[signaller, OnExceptionCheckpoint(dirpath), Keep()])
+            callbacks=[signaller, OnExceptionCheckpoint(dirpath), Keep()], enable_checkpointing=True)
     except BaseException as error:  # SIGTERMException is a SystemExit
         ended = {"type": type(error).__name__, "message": str(error)[:2000]}
     stopped = time.monotonic()
@@ -97,9 +97,10 @@ def sigterm_every_rank(dirpath: str, step: int, timeout: float = 30, max_steps: 
     return ended
 
 
-def fail_with_on_exception_checkpoint(dirpath: str, how: str, rank: int, step: int, timeout: float = 5,
+def fail_with_on_exception_checkpoint(dirpath: str | None, how: str, rank: int, step: int, timeout: float = 5,
                                       **strategy: Any) -> dict[str, Any]:
-    """Train with ``OnExceptionCheckpoint(dirpath)``; global rank ``rank`` fails at the start of step ``step``:
+    """Train with ``OnExceptionCheckpoint(dirpath)`` (None: without); global rank ``rank`` fails at the start of step
+    ``step``:
     ``how="raise"`` raises an error, ``how="stuck"`` gets stuck for good (SIGTERM ignored). Returns how this rank's fit
     ended and the seconds from the failure's step start to the end."""
     from lightning.pytorch.callbacks import OnExceptionCheckpoint
@@ -122,7 +123,8 @@ def fail_with_on_exception_checkpoint(dirpath: str, how: str, rank: int, step: i
     ended: dict[str, Any] = {"type": "none", "message": ""}
     try:
         fit("mlp", PipelineParallelStrategy(timeout=timeout, **strategy), devices=DEVICES, max_steps=step + 3,
-            callbacks=[Fail(), OnExceptionCheckpoint(dirpath)])
+            callbacks=[Fail(), *([OnExceptionCheckpoint(dirpath)] if dirpath is not None else [])],
+            enable_checkpointing=dirpath is not None)
     except BaseException as error:
         ended = {"type": type(error).__name__, "message": str(error)[:2000]}
     ended["seconds"] = time.monotonic() - started[0] if started else None

@@ -18,7 +18,6 @@ import torch
 from lightning.pytorch.callbacks import (
     BatchSizeFinder,
     ModelPruning,
-    OnExceptionCheckpoint,
     StochasticWeightAveraging,
     ThroughputMonitor,
     WeightAveraging,
@@ -50,11 +49,6 @@ _REFUSED: dict[type, str] = {
         "the other stages wait for that rank's transfers (Lightning refuses it under every distributed strategy too). "
         "Set the batch size by hand (a multiple of `microbatches`): try sizes in short runs and read each stage's "
         "peak memory from PipelineMonitor (pipeline/stage{s}/peak_memory_mb)"),
-    OnExceptionCheckpoint: (
-        "a full checkpoint gathers every stage's weights, but a failure on one rank ends every rank of the job (the "
-        "strategy takes them down so that none waits for a dead peer), so the gather would wait for ranks that are "
-        "gone. Save regularly with ModelCheckpoint(every_n_train_steps=N) and resume from the latest file with "
-        "trainer.fit(ckpt_path=...)"),
 }
 
 

@@ -17,6 +17,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_pp import _compat
+from lightning_pp._ending import SigtermAtStepStart
 from lightning_pp._logs import HookLogs, LogRecorder
 from lightning_pp.actions import Schedule
 from lightning_pp.checkpoint import StageCheckpoints
@@ -157,6 +158,10 @@ class StageSession:
         if step_name == "training_step" and self.driver.delayed is not None:  # no barrier between its steps
             self._sigterm = SigtermAtNextStep(self.module.trainer, self.object_group())
             self._undo_sigterm = _compat.replace_sigterm_handling(self.module.trainer, self._sigterm)
+        elif step_name == "training_step":  # a SIGTERM stops every rank at the same step (see lightning_pp._ending)
+            self._restore_sigterm()  # (a second fit of this run's Trainer)
+            agree = SigtermAtStepStart(self.module.trainer, self.object_group())
+            self._undo_sigterm = _compat.replace_sigterm_handling(self.module.trainer, agree, record=agree.record)
         with collective(f"agreeing whether the stages read what {step_name} returns"):
             sent = self.driver.decide_outputs(step_name, outputs_read(self.module.trainer, step_name))
         if not sent and step_name == "predict_step" and self.rank == 0:
