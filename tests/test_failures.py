@@ -100,3 +100,19 @@ def test_blocks_run_on_one_rank_only_in_a_hook_fail_naming_the_hook() -> None:
     error = ranks[0].results[0]
     assert error["type"] == "PipelineCommError", error
     assert "in `on_train_epoch_end`" in error["message"] and "if self.global_rank == 0" in error["message"], error
+
+
+def test_too_few_blocks_errors_say_what_is_wrong_on_every_rank() -> None:
+    """Issue 39, finding 8: a container of 1 block found automatically was reported as no container; interleaved
+    with too few blocks advised fewer devices."""
+    runs = [{"scenario": "expect_error", "kwargs": {"model": "too_few_layers"}},
+            {"scenario": "expect_error", "kwargs": {"model": "mlp", "schedule": "interleaved_1f1b",
+                                                    "stages_per_rank": 5, "microbatches": 4, "timeout": 10}}]
+    expected = ["TooFewLayers's block container 'layers' (Sequential, 272 parameters) has 1 block",
+                "8 blocks but stages_per_rank=5 on 2 ranks makes 10 stages (5 x 2); every stage needs at least one "
+                "block. Use stages_per_rank=4 or fewer, or schedule='1f1b'"]
+    ranks = launch(2, runs, timeout=200)
+    for rank in ranks:
+        for index, message in enumerate(expected):
+            error = rank.results[index]
+            assert error["type"] == "PipelineConfigError" and message in error["message"], (message, error)
