@@ -1,6 +1,7 @@
 """lightning_pp: pipeline parallelism for PyTorch Lightning, by changing only the Trainer's strategy."""
 
 from lightning_pp.errors import (
+    PipelineBatchError,
     PipelineCheckpointError,
     PipelineCommError,
     PipelineConfigError,
@@ -12,6 +13,7 @@ from lightning_pp.strategy import PipelineParallelStrategy
 from lightning_pp.topology import PipelineLayout
 
 __all__ = [
+    "PipelineBatchError",
     "PipelineCheckpointError",
     "PipelineCommError",
     "PipelineConfigError",
