@@ -16,6 +16,14 @@ last ``p - s - 1`` backwards of batch ``t - 1``, which the previous step left in
 - ``drain``: batch ``t``'s leftovers alone, run outside a step (before validation, at a checkpoint, at the end of
   fit).
 
+Where a transfer may span two steps: cut where each batch's first action starts, a stage's last backward of a batch
+sends its input gradient at the end of its step, and the previous stage receives it in its next step. On gloo that
+is free overlap. On NCCL (and its emulation) a send in flight across a step's end is a hazard: the host meets other
+ranks there (a gradient all-reduce, the placement of the weights outside the blocks), and any device synchronize in
+that window (a timed step's, or one the allocator does) waits for a send whose receive the peer posts only after
+meeting this rank. ``sends_across_steps=False`` cuts each rank's list before such trailing sends instead, so they
+open the next step and no transfer spans a step's end; the stream, and so what runs, is the same.
+
 In the lists a micro-batch's number is ``(t mod 2) * m + i`` for micro-batch ``i`` of batch ``t``: the two batches in
 flight never share a number, and each number's channel carries tensors of the same layout every other step.
 
@@ -100,17 +108,22 @@ def _shifted(action: Action, shift: int, m: int) -> Action:
 
 
 @cache
-def stream_cuts(num_ranks: int, num_microbatches: int) -> StreamCuts:
-    """Cut a validated stream of three batches where each batch's first action starts on each rank: the first cut is
-    the first batch's step, the steady cut the second's; the drain is the first batch's leftovers in a stream that
-    ends after it (which must equal what the first cut leaves)."""
+def stream_cuts(num_ranks: int, num_microbatches: int, sends_across_steps: bool = True) -> StreamCuts:
+    """Cut a validated stream of three batches where each batch's first action starts on each rank (without
+    ``sends_across_steps``: before the trailing sends whose receive lies in the peer's next part, see the module's
+    docstring): the first cut is the first batch's step, the steady cut the second's; the drain is the first batch's
+    leftovers in a stream that ends after it (which must equal what the first cut leaves)."""
     m = num_microbatches
     stream = stream_schedule(num_ranks, m, _STREAM_BATCHES)
     single = stream_schedule(num_ranks, m, 1)
     lists: dict[str, list[tuple[Action, ...]]] = {cut: [] for cut in CUTS}
+    cuts = [[next(i for i, a in enumerate(actions) if a.microbatch == k * m) for k in range(_STREAM_BATCHES)]
+            for actions in stream.actions]
+    if not sends_across_steps:
+        cuts = _before_sends_across(stream, cuts)
     for rank in range(num_ranks):
         actions = stream.actions[rank]
-        starts = [next(i for i, a in enumerate(actions) if a.microbatch == k * m) for k in range(_STREAM_BATCHES)]
+        starts = cuts[rank]
         first = actions[starts[0]:starts[1]]
         steady = tuple(_shifted(a, m, m) for a in actions[starts[1]:starts[2]])  # its batch's own numbers first
         whole = single.actions[rank]
@@ -121,3 +134,20 @@ def stream_cuts(num_ranks: int, num_microbatches: int) -> StreamCuts:
         lists["steady"].append(steady)
         lists["drain"].append(drain)
     return StreamCuts(num_ranks, m, {cut: tuple(rank_lists) for cut, rank_lists in lists.items()})
+
+
+def _before_sends_across(stream: Schedule, cuts: list[list[int]]) -> list[list[int]]:
+    """Each rank's cut points moved back over its trailing sends whose matching receive lies at or after the peer's
+    cut point (in the peer's next part), so that they open the next part. One stage per rank (1F1B's stream)."""
+    moved = [list(points) for points in cuts]
+    for rank, actions in enumerate(stream.actions):
+        for k in range(1, len(moved[rank])):
+            while moved[rank][k] > moved[rank][k - 1] and actions[moved[rank][k] - 1].is_send:
+                send = actions[moved[rank][k] - 1]
+                peer = stream.actions[send.peer]
+                receive = next(i for i, a in enumerate(peer) if a.is_recv and a.peer == send.stage
+                               and a.microbatch == send.microbatch and _SEND_OF[a.type] == send.type)
+                if receive < cuts[send.peer][k]:
+                    break
+                moved[rank][k] -= 1
+    return moved

@@ -353,6 +353,12 @@ class StageP2P:
         return self.mesh_of(tuple(dims))
 
     @property
+    def on_device_streams(self) -> bool:
+        """Whether transfers complete on the device's streams, where a device synchronize waits for them (NCCL, or its
+        emulation): then no send may stay in flight across a step's end (see :mod:`lightning_pp.cross_batch`)."""
+        return self._poll
+
+    @property
     def batched(self) -> bool:
         """Whether payload operations wait for :meth:`flush` to post them."""
         return bool(self._batch)

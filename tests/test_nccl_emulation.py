@@ -136,18 +136,21 @@ def test_pipedream_2bw_with_the_monitor_ends_its_timed_steps() -> None:
     broadcast at its end, after the timed step's synchronize, which waits for the last stage's final send; stage 0
     posts that send's receive only in its next step, which it starts after the broadcast. Here the synchronize waits
     for the emulated operations in flight (see lightning_pp._nccl_emulation): before the fix the last stage failed
-    after the transfers' timeout (5 s) with a PipelineTimeoutError naming that send. Steps 0 and 2 of 4 are timed (a
-    timed last step waits, under the emulation, for the drain that follows the monitor's on_train_end on stage 0)."""
-    ranks = launch(2, [{"scenario": "monitored", "kwargs": {"model": "sleepy2", "schedule": "pipedream_2bw",
-                                                             "microbatches": 4, "log_dir": None, "max_steps": 4,
-                                                             "logging_interval": 2, "timeline_every_n_steps": 0,
-                                                             "timeout": 5}}],
-                   timeout=150)
+    after the transfers' timeout (5 s) with a PipelineTimeoutError naming that send. The tied embedding/head adds
+    collectives at every step's end (its gradient summed over the two stages; the placement of the weights outside
+    the blocks after step 0), which met the last stage's timed synchronize the same way until NCCL's cuts of the
+    stream left no send in flight across a step's end; there every step is timed, the last one too."""
+    runs = [{"scenario": "monitored", "kwargs": {"model": model, "schedule": "pipedream_2bw", "microbatches": 4,
+                                                 "log_dir": None, "max_steps": 4, "logging_interval": interval,
+                                                 "timeline_every_n_steps": 0, "timeout": 5}}
+            for model, interval in (("sleepy2", 2), ("tied", 1))]
+    ranks = launch(2, runs, timeout=150)
     for rank in ranks:
         assert not rank.errors, rank.errors
-    history = ranks[0].results[0]["history"]
-    assert [h["step"] for h in history] == [0.0, 2.0], history
-    assert all(0.0 <= h["pipeline/bubble_fraction"] <= 1.0 for h in history), history  # (no timing asserted)
+    for index, steps in enumerate(([0.0, 2.0], [0.0, 1.0, 2.0, 3.0])):
+        history = ranks[0].results[index]["history"]
+        assert [h["step"] for h in history] == steps, history
+        assert all(0.0 <= h["pipeline/bubble_fraction"] <= 1.0 for h in history), history  # (no timing asserted)
 
 
 @pytest.mark.timeout(150)

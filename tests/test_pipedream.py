@@ -35,11 +35,13 @@ def _steps(p: int, m: int, steady: int) -> list[tuple[str, int]]:
     return [("first", 0)] + [("steady", t) for t in range(1, steady + 1)] + [("drain", steady)]
 
 
+@pytest.mark.parametrize("across", [True, False])
 @pytest.mark.parametrize(("p", "m"), SHAPES)
-def test_cuts_compose_into_the_validated_stream(p: int, m: int) -> None:
+def test_cuts_compose_into_the_validated_stream(p: int, m: int, across: bool) -> None:
     """first + steady... + drain, rank by rank, is a valid schedule (every transfer matched, in order, no deadlock
-    across the steps' boundaries); stage s leaves its last p - s - 1 backwards to the next step."""
-    cuts = stream_cuts(p, m)
+    across the steps' boundaries); stage s leaves its last p - s - 1 backwards to the next step. The same for the
+    cuts of NCCL (``sends_across_steps=False``)."""
+    cuts = stream_cuts(p, m, across)
     for steady in (0, 1, 2):
         lists = [[] for _ in range(p)]  # type: list[list[Action]]
         for cut, batch in _steps(p, m, steady):
@@ -50,6 +52,21 @@ def test_cuts_compose_into_the_validated_stream(p: int, m: int) -> None:
                                 for a in actions]
         validate_schedule(lists, m * (steady + 1))
     assert [cuts.leftovers(rank) for rank in range(p)] == [p - s - 1 for s in range(p)]
+
+
+@pytest.mark.parametrize(("p", "m"), SHAPES)
+def test_on_nccl_no_transfer_spans_a_steps_end(p: int, m: int) -> None:
+    """Issue 37: on NCCL a send in flight across a step's end meets the step-end collectives and device synchronizes
+    (a deadlock). Its cuts open each step with the sends the previous step's last backward made, so every receive
+    of a step is matched by a send of the same step; the stream itself, rank by rank, is unchanged."""
+    across, within = stream_cuts(p, m), stream_cuts(p, m, sends_across_steps=False)
+    for cut, batch in _steps(p, m, 3):
+        assert not within.for_step(cut, batch).in_flight, (cut, batch)
+    assert any(across.for_step("steady", 1).in_flight)
+    for rank in range(p):  # the same actions, the cut points moved
+        assert [*across.lists["first"][rank], *across.lists["drain"][rank]] == [
+            *within.lists["first"][rank], *within.lists["drain"][rank]]
+    assert [within.leftovers(rank) for rank in range(p)] == [across.leftovers(rank) for rank in range(p)]
 
 
 @pytest.mark.parametrize(("p", "m"), SHAPES)

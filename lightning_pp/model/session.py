@@ -119,7 +119,9 @@ class StageSession:
         self._undo_sigterm: Callable[[], None] = lambda: None
         if pipelined and fitting and options.schedule == "pipedream_2bw":
             refuse_for_delayed_updates(module.trainer)
-            self.driver.delayed = DelayedUpdates(stream_cuts(layout.num_stages, microbatches), self.stage)
+            assert p2p is not None  # (pipelined)
+            cuts = stream_cuts(layout.num_stages, microbatches, sends_across_steps=not p2p.on_device_streams)
+            self.driver.delayed = DelayedUpdates(cuts, self.stage)
         self.checkpoints = StageCheckpoints(
             module, partition, lambda: _not_on_last_stage(module, schedules, microbatches),
             world=layout.world_size, rank=rank, stage=self.stage, lane=layout.lane_of(rank),
