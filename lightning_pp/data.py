@@ -4,10 +4,12 @@ replicas their own shards), checked where Lightning hands over the DataLoaders a
 
 from __future__ import annotations
 
+import os
 from abc import abstractmethod
 from typing import Any
 
 import torch
+import torch.distributed as dist
 from lightning.pytorch.strategies import ParallelStrategy
 from typing_extensions import override
 
@@ -20,6 +22,7 @@ class PipelineDataHooks(ParallelStrategy):
     """The DataLoader and batch hooks of :class:`~lightning_pp.strategy.PipelineParallelStrategy`."""
 
     _session: Any  # this rank's StageSession during a run
+    _sampler_seed: int | None = None  # global rank 0's seed, for Lightning's DistributedSampler on every rank
 
     @property
     @abstractmethod
@@ -38,8 +41,20 @@ class PipelineDataHooks(ParallelStrategy):
     @property
     @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        # every stage of a pipeline loads the same samples: shard over the replicas only
-        return {"num_replicas": self.num_replicas, "rank": self.replica}
+        # every stage of a pipeline loads the same samples: shard over the replicas only, shuffled with one seed
+        kwargs: dict[str, Any] = {"num_replicas": self.num_replicas, "rank": self.replica}
+        if self._sampler_seed is not None:
+            kwargs["seed"] = self._sampler_seed
+        return kwargs
+
+    def agree_sampler_seed(self, group: Any) -> None:
+        """Take global rank 0's seed for Lightning's DistributedSampler (by default each rank's ``PL_GLOBAL_SEED``,
+        which code seeding every rank differently, ``seed_everything(seed + rank)``, makes differ: the stages of a
+        pipeline would shuffle apart). ``group``: a gloo group of every rank (None: the default group)."""
+        seed = [int(os.environ.get("PL_GLOBAL_SEED", 0))]
+        if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+            dist.broadcast_object_list(seed, src=0, group=group)
+        self._sampler_seed = seed[0]
 
     @override
     def process_dataloader(self, dataloader: object) -> object:

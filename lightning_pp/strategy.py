@@ -210,6 +210,7 @@ class PipelineParallelStrategy(ReplicaCollectives, PipelineDataHooks, LoopHooks)
         self._process_group_backend = backend
         self.object_group = start_process_group(self.cluster_environment, backend, self.options.group_timeout,
                                                 self._world, self.global_rank)
+        self.agree_sampler_seed(self.object_group)  # one shuffle for every stage, however each rank was seeded
         self.device_mesh = create_device_mesh(self.layout, self.root_device.type)
         if self.lightning_module is not None:  # configure_model, which runs next, may read it
             _compat.set_module_device_mesh(self.lightning_module, self.device_mesh)
