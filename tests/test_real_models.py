@@ -414,9 +414,10 @@ def test_a_tensor_from_weights_outside_the_blocks_in_every_block_with_split_back
     """Blocks that each take a tensor computed before them from weights outside them (``norm(distance_table)``; Hugging
     Face DeBERTa-v2's ``LayerNorm(rel_embeddings.weight)``): every split-backward schedule trains as one device. Before,
     the weight-gradient pass ran that tensor's graph twice (torch's ``Trying to backward through the graph a second
-    time``), while 1F1B was exact."""
+    time``), while 1F1B was exact. ``schedule="auto"`` too, whichever schedule it picks."""
     runs = [job("relative_positions", schedule=schedule, microbatches=4) for schedule in ("zb_h1", "zbv", "dualpipev")]
     runs += [job("hf_deberta", schedule=schedule, microbatches=4) for schedule in ("1f1b", "zb_h1", "zbv")]
+    runs += [job(model, schedule="auto") for model in ("relative_positions", "hf_deberta")]  # whatever it picks
     check_all(2, runs, [matches(run["kwargs"]["model"]) for run in runs], timeout=300)
 
 
