@@ -133,7 +133,7 @@ def test_a_module_off_the_meta_device_is_left_alone() -> None:
 @pytest.mark.multiprocess
 @pytest.mark.timeout(300)
 def test_each_rank_takes_memory_for_its_part_only_and_failures_reach_every_rank() -> None:
-    """`models.Wide` (64 MiB of blocks) built on the meta device, on 2 stages, then on 1 stage with its blocks sharded
+    """`models.Wide` (256 MiB of blocks) built on the meta device, on 2 stages, then on 1 stage with its blocks sharded
     over 2 replicas (``data_parallel="fsdp"``, materialized block by block): each rank's peak memory grows by about
     its half before training (the whole model before this issue), and it holds half the blocks. A weight nothing
     initializes on the second stage only, FSDP applied over a mesh of the module's own, an optimizer built from a
