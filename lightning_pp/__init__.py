@@ -1,4 +1,8 @@
-"""lightning_pp: pipeline parallelism for PyTorch Lightning, by changing only the Trainer's strategy."""
+"""lightning_pp: pipeline parallelism for PyTorch Lightning, by changing only the Trainer's strategy.
+
+What ``__all__`` names is the public API; every other module and name may change between releases."""
+
+__version__ = "0.1.0"
 
 from lightning_pp.errors import (
     PipelineBatchError,
@@ -9,6 +13,7 @@ from lightning_pp.errors import (
     PipelineTimeoutError,
 )
 from lightning_pp.monitor import PipelineMonitor
+from lightning_pp.options import PipelineOptions
 from lightning_pp.strategy import PipelineParallelStrategy
 from lightning_pp.topology import PipelineLayout
 
@@ -19,7 +24,9 @@ __all__ = [
     "PipelineConfigError",
     "PipelineLayout",
     "PipelineMonitor",
+    "PipelineOptions",
     "PipelineParallelStrategy",
     "PipelineScheduleError",
     "PipelineTimeoutError",
+    "__version__",
 ]

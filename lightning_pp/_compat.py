@@ -6,6 +6,7 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from typing import Any
 
+import lightning as pl
 import torch
 from lightning.fabric.utilities.distributed import (
     _get_default_process_group_backend_for_device,
@@ -18,14 +19,16 @@ from torchmetrics.utilities.distributed import gather_all_tensors
 
 from lightning_pp.errors import PipelineConfigError
 
-# The oldest torch whose APIs lightning_pp uses (pyproject.toml's `torch>=` says the same; a test compares them):
+# The oldest releases lightning_pp runs on (pyproject.toml's `>=` pins say the same; a test compares them). torch:
 # `distribute_tensor(..., src_data_rank=None)` (2.7), FSDP2 and its `FSDPModule`, `MixedPrecisionPolicy` in
 # `torch.distributed.fsdp` (2.6), DTensor public in `torch.distributed.tensor` and the pipelining backward split (2.5).
+# Lightning: 2.6, the releases the suite runs on (the private hooks below are read from 2.6's loops and strategies).
 TORCH_MINIMUM = (2, 7)
+LIGHTNING_MINIMUM = (2, 6)
 
 
 def _release(version: str) -> tuple[int, int]:
-    """``(major, minor)`` of a torch version string (``2.11.0+cu130``, ``2.13.0a0+git1234``)."""
+    """``(major, minor)`` of a version string (``2.11.0+cu130``, ``2.13.0a0+git1234``)."""
     major, minor = version.split("+")[0].split(".")[:2]
     return int(major), int("".join(ch for ch in minor if ch.isdigit()) or 0)
 
@@ -33,18 +36,20 @@ def _release(version: str) -> tuple[int, int]:
 TORCH_VERSION = _release(torch.__version__)
 
 
-def check_torch_version(version: str = torch.__version__) -> None:
-    """Refuse a torch older than :data:`TORCH_MINIMUM`, naming both and the fix (an import error later would name
-    neither)."""
-    if _release(version) < TORCH_MINIMUM:
-        minimum = ".".join(map(str, TORCH_MINIMUM))
-        raise PipelineConfigError(
-            f"lightning_pp needs torch>={minimum} (distribute_tensor's src_data_rank, FSDP2 in "
-            f"torch.distributed.fsdp), but torch {version} is installed. Upgrade it: pip install 'torch>={minimum}'."
-        )
+def check_versions(version: str = torch.__version__, lightning_version: str = pl.__version__) -> None:
+    """Refuse a torch or Lightning older than :data:`TORCH_MINIMUM` / :data:`LIGHTNING_MINIMUM`, naming both versions
+    and the fix (an import or attribute error later would name neither)."""
+    for package, found, minimum, needs in (
+            ("torch", version, TORCH_MINIMUM, "distribute_tensor's src_data_rank, FSDP2 in torch.distributed.fsdp"),
+            ("lightning", lightning_version, LIGHTNING_MINIMUM, "the strategy hooks of Lightning 2.6")):
+        if _release(found) < minimum:
+            least = ".".join(map(str, minimum))
+            raise PipelineConfigError(
+                f"lightning_pp needs {package}>={least} ({needs}), but {package} {found} is installed. Upgrade it: "
+                f"pip install '{package}>={least}'.")
 
 
-check_torch_version()
+check_versions()
 
 
 def _found_inf_per_device(scaler: torch.amp.GradScaler, optimizer: Any) -> dict[torch.device, torch.Tensor]:
@@ -253,7 +258,7 @@ __all__ = [
     "averaging_arguments",
     "averaging_model",
     "batch_statistics_classes",
-    "check_torch_version",
+    "check_versions",
     "child_names",
     "copy_forward_hooks",
     "current_hook",

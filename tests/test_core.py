@@ -204,9 +204,9 @@ def test_strategy_takes_every_option_and_describes_it() -> None:
     assert "former name of ``blocks``" in args
 
 
-def test_declared_torch_minimum_is_the_one_checked() -> None:
-    """pyproject.toml's ``torch>=`` is what ``_compat`` checks at import, and an older torch is refused with both
-    versions and the fix."""
+def test_declared_minimums_are_the_ones_checked() -> None:
+    """pyproject.toml's ``torch>=`` and ``lightning>=`` are what ``_compat`` checks at import, and an older release
+    is refused with both versions and the fix."""
     from pathlib import Path
 
     from lightning_pp import _compat
@@ -214,15 +214,18 @@ def test_declared_torch_minimum_is_the_one_checked() -> None:
     tomllib = pytest.importorskip("tomllib")  # Python 3.11 on
 
     project = tomllib.loads((Path(__file__).parents[1] / "pyproject.toml").read_text())["project"]
-    declared = next(re.fullmatch(r"torch>=(\d+)\.(\d+)(?:,<[\d.]+)?", d) for d in project["dependencies"]
-                    if d.startswith("torch>="))
-    assert declared is not None
-    assert (int(declared[1]), int(declared[2])) == _compat.TORCH_MINIMUM
+    for package, minimum in (("torch", _compat.TORCH_MINIMUM), ("lightning", _compat.LIGHTNING_MINIMUM)):
+        declared = next(re.fullmatch(rf"{package}>=(\d+)\.(\d+)(?:,<[\d.]+)?", d) for d in project["dependencies"]
+                        if d.startswith(f"{package}>="))
+        assert declared is not None
+        assert (int(declared[1]), int(declared[2])) == minimum
     assert _compat.TORCH_VERSION >= _compat.TORCH_MINIMUM
     assert _compat._release("2.11.0+cu130") == (2, 11) and _compat._release("2.13.0a0+git1234") == (2, 13)
     with pytest.raises(PipelineConfigError, match=r"needs torch>=2\.7 .* torch 2\.6\.0 is installed.*pip install"):
-        _compat.check_torch_version("2.6.0")
-    _compat.check_torch_version("2.7.1")
+        _compat.check_versions("2.6.0")
+    with pytest.raises(PipelineConfigError, match=r"needs lightning>=2\.6 .* lightning 2\.5\.1 is installed"):
+        _compat.check_versions("2.7.1", "2.5.1")
+    _compat.check_versions("2.7.1", "2.6.0")
 
 
 def test_fsdp_param_groups_of_a_state_before_and_after_torch_2_12() -> None:
