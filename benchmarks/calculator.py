@@ -9,9 +9,9 @@ to count its parameters).
 Assumptions (each configurable where a flag is named):
 
 - Layout: P pipeline stages (``--stages-per-rank`` v per rank for interleaved 1F1B and ZB-V, default 2), D data-parallel
-  replicas (``data_parallel="fsdp"``), T tensor-parallel ranks. Layers are split as torchtitan splits them: the first
-  stage gets L // S, the middle stages the remainder. T divides the block weights and, vocab-parallel as in Megatron and
-  torchtitan, the embedding, the head and the logits; with T = 1 these are whole, as in lightning_pp.
+  replicas (``data_parallel_mode="fsdp"``), T tensor-parallel ranks. Layers are split as torchtitan splits them: the
+  first stage gets L // S, the middle stages the remainder. T divides the block weights and, vocab-parallel as in
+  Megatron and torchtitan, the embedding, the head and the logits; with T = 1 these are whole, as in lightning_pp.
 - Bytes per parameter: bf16 weights (``--weight-bytes 2``) and grads (``--grad-bytes 2``), fp32 master copy and Adam
   moments (``--optimizer-bytes 12``). FSDP shards only the blocks over D; the embedding and head stay whole on the first
   and last stage. ``--fsdp step`` (lightning_pp today, ``sharding.py``): a stage's bf16 weights and grads stay gathered

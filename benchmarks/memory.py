@@ -1,5 +1,5 @@
 """Memory per rank of a GPT-2-medium-sized model: one device against 2 stages, 2 stages x 2 DDP replicas, 2 stages x
-2 replicas sharded with FSDP2 (``data_parallel="fsdp"``) and 2 stages x 2 tensor-parallel ranks, on CPU with gloo
+2 replicas sharded with FSDP2 (``data_parallel_mode="fsdp"``) and 2 stages x 2 tensor-parallel ranks, on CPU with gloo
 (memory, not speed: CPU is fine for it).
 
 Run ``python benchmarks/memory.py`` (``--layouts one pp2 pp2xddp2 pp2xfsdp2 pp2xtp2``, ``--layers 24 --width 1024``).
@@ -34,7 +34,7 @@ LAYOUTS = {  # name -> (processes, strategy options; None: plain Lightning on on
     "one": (1, None),
     "pp2": (2, {}),
     "pp2xddp2": (4, {"pipeline_parallel_size": 2}),
-    "pp2xfsdp2": (4, {"pipeline_parallel_size": 2, "data_parallel": "fsdp"}),
+    "pp2xfsdp2": (4, {"pipeline_parallel_size": 2, "data_parallel_mode": "fsdp"}),
     "pp2xtp2": (4, {"pipeline_parallel_size": 2, "tensor_parallel_size": 2}),
 }
 

@@ -2,8 +2,7 @@
 
 What ``__all__`` names is the public API; every other module and name may change between releases."""
 
-__version__ = "0.1.0"
-
+from lightning_pp._logging import configure as _configure_logging
 from lightning_pp.errors import (
     PipelineBatchError,
     PipelineCheckpointError,
@@ -30,3 +29,7 @@ __all__ = [
     "PipelineTimeoutError",
     "__version__",
 ]
+
+__version__ = "0.1.0"
+
+_configure_logging()

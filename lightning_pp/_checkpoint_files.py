@@ -137,7 +137,7 @@ def check_sharded_folder(folder: str, read_metadata: Callable[[], Any]) -> Any:
         raise PipelineConfigError(
             f"{folder} is not a sharded checkpoint of this version (torch's distributed checkpoint: a `{METADATA}` "
             f"file beside `{TRAINER_STATE}`); folders of per-stage files come from an earlier lightning_pp. Load it "
-            f"with that version and save it with checkpoint_format='full'.")
+            f"with that version and save it with state_dict_type='full'.")
     try:
         metadata = read_metadata()
     except Exception as error:  # unpickling a file cut short raises whatever the missing bytes lead to

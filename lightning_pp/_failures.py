@@ -12,8 +12,8 @@ process.
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
-import sys
 import threading
 import time
 from collections.abc import Callable, Iterator
@@ -22,6 +22,8 @@ from typing import Any
 from lightning_pp.errors import PipelineCommError
 
 __all__ = ["FailureSignal", "naming_failures"]
+
+log = logging.getLogger(__name__)
 
 _POLL_S = 0.5
 _fits_started = 0  # fits this process has run: names each fit's failure flag alike on every rank
@@ -74,9 +76,9 @@ class FailureSignal:
         failure = self._own or self.reported()
         if failure is not None and not self._said_skipped:
             self._said_skipped = True
-            print(f"lightning_pp: rank {self._rank}: {what} skipped: the job failed ({failure[:500]}). A checkpoint "
-                  f"needs every stage, and a failed job's ranks meet no more: resume from one saved before the "
-                  f"failure (ModelCheckpoint(every_n_train_steps=N)).", file=sys.stderr, flush=True)
+            log.error(f"rank {self._rank}: {what} skipped: the job failed ({failure[:500]}). A checkpoint needs every "
+                      f"stage, and a failed job's ranks meet no more: resume from one saved before the failure "
+                      f"(ModelCheckpoint(every_n_train_steps=N)).")
         return failure is not None
 
     def reported(self) -> str | None:
@@ -102,8 +104,8 @@ class FailureSignal:
                     return
                 seen_at = time.monotonic()
             elif time.monotonic() - seen_at > self._grace:
-                print(f"lightning_pp: rank {self._rank} ends: {message} (this rank had not finished "
-                      f"{self._grace:.0f} s after that failure)", file=sys.stderr, flush=True)
+                log.error(f"rank {self._rank} ends: {message} (this rank had not finished {self._grace:.0f} s after "
+                          f"that failure)")
                 os._exit(1)
 
 

@@ -147,7 +147,7 @@ def backward_input(outputs: list[Tensor], output_grads: list[Tensor] | None, inp
     elif declined is not None:
         if declined not in _logged:
             _logged.add(declined)
-            log.info(f"lightning_pp: a stage's backward is not split into input and weight gradients ({declined}): "
+            log.info(f"a stage's backward is not split into input and weight gradients ({declined}): "
                      f"it runs whole where the schedule has the input gradient's action")
         torch.autograd.backward(outputs, None if output_grads is None else grads,
                                 inputs=[*wanted, *(p for p in params if p.requires_grad)])

@@ -217,10 +217,10 @@ class StageCheckpoints:
         elsewhere = self.not_on_last() if not last else set()
         return {k: v for k, v in state.items() if k.startswith(prefix) or last or k in elsewhere}
 
-    def module_state(self, checkpoint_format: str) -> dict[str, Any]:
-        """What a checkpoint of ``checkpoint_format`` holds of the module on this rank: the whole module's state on
+    def module_state(self, state_dict_type: str) -> dict[str, Any]:
+        """What a checkpoint of ``state_dict_type`` holds of the module on this rank: the whole module's state on
         global rank 0 (``"full"``, with several stages), or what this rank writes of it (``"sharded"``)."""
-        if checkpoint_format == "sharded":
+        if state_dict_type == "sharded":
             return self._written_state()
         if self.num_stages == 1:
             return full_tensors(self.module.state_dict())
@@ -291,7 +291,7 @@ class StageCheckpoints:
                         raise PipelineConfigError(
                             f"The optimizer's state `{key}` of `{name}` is a {type(entry).__name__}; the sharded "
                             f"format stores tensors and plain values per parameter. Use "
-                            f"PipelineParallelStrategy(checkpoint_format='full') with this optimizer.")
+                            f"PipelineParallelStrategy(state_dict_type='full') with this optimizer.")
                     written[f"{_OPTIMIZER}.{i}.state.{name}.{key}"] = entry
         for name, value in checkpoint.get(PENDING_GRADIENT_KEY, {}).items():
             written[f"{PENDING_GRADIENT_KEY}.{name}"] = value

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import io
 import json
+import logging
 import math
 import numbers
 import os
@@ -44,6 +45,8 @@ from lightning_pp.timeline import (
 from lightning_pp.topology import receive_object, send_object
 
 __all__ = ["PipelineMonitor", "draw_timelines", "to_chrome_trace"]
+
+log = logging.getLogger(__name__)
 
 _ROWS_TAG = 12  # a timed step's rows, sent to global rank 0 (on the object group)
 
@@ -360,7 +363,7 @@ class PipelineMonitor(pl.Callback):
         if trainer.is_global_zero and not trainer.loggers and self.history:
             schedule = self._telemetry(trainer).last_schedule
             assert schedule is not None  # there is history: a measured training step ran
-            print(summary_table(self.history, schedule.stage_to_rank))
+            log.info(summary_table(self.history, schedule.stage_to_rank))
 
 
 def _distributed() -> bool:

@@ -5,6 +5,7 @@ and checked on construction (before any process starts), and the checks that nee
 from __future__ import annotations
 
 import ast
+import difflib
 import inspect
 import itertools
 import os
@@ -13,7 +14,7 @@ import textwrap
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field, fields
 from datetime import timedelta
-from typing import Any
+from typing import Any, Literal, get_args
 
 import torch
 from torch.distributed.constants import default_pg_timeout
@@ -22,10 +23,21 @@ from lightning_pp.actions import Schedule
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.schedules import GENERATORS, load_csv
 
-__all__ = ["BALANCE_MODES", "PipelineOptions", "check", "documented_arguments"]
+__all__ = ["BALANCE_MODES", "PipelineOptions", "ScheduleName", "check", "documented_arguments", "schedule_named"]
 
-BACKENDS = ("gloo", "nccl")
-BALANCE_MODES = ("uniform", "params", "time")
+ScheduleName = Literal["naive", "gpipe", "1f1b", "interleaved_1f1b", "zb_h1", "zbv", "dualpipev", "pipedream_2bw",
+                       "auto", "GPipe", "1F1B", "Interleaved1F1B", "ZBVZeroBubble", "DualPipeV"]
+Balance = Literal["uniform", "params", "time"]
+Backend = Literal["gloo", "nccl"]
+StateDictType = Literal["full", "sharded"]
+DataParallelMode = Literal["ddp", "fsdp"]
+OutsideWeights = Literal["where_used", "everywhere"]
+
+BACKENDS: tuple[str, ...] = get_args(Backend)
+BALANCE_MODES: tuple[str, ...] = get_args(Balance)
+# torch.distributed.pipelining's names (its get_schedule_class matches them case-insensitively) for ours
+_TORCH_NAMES = {"gpipe": "gpipe", "1f1b": "1f1b", "interleaved1f1b": "interleaved_1f1b", "zbvzerobubble": "zbv",
+                "dualpipev": "dualpipev"}
 # (least and default, most) stages per rank; others 1
 _STAGES_PER_RANK = {"interleaved_1f1b": (2, sys.maxsize), "zbv": (2, 2), "dualpipev": (2, 2)}
 
@@ -40,10 +52,21 @@ def _is_int(value: Any) -> bool:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def _seconds(value: Any) -> float | None:
-    if isinstance(value, timedelta):
-        return value.total_seconds()
-    return float(value) if isinstance(value, (int, float)) and not isinstance(value, bool) else None
+def _key(name: str) -> str:
+    return name.lower().replace("_", "").replace("-", "")
+
+
+def schedule_named(name: str) -> str | None:
+    """Our name for the schedule ``name``: ours or torch.distributed.pipelining's, in any case, with or without
+    underscores (``"Interleaved1F1B"``, ``"interleaved_1f1b"`` and ``"INTERLEAVED_1F1B"`` are one); None if none."""
+    ours = {_key(known): known for known in (*GENERATORS, "auto")}
+    return ours.get(_key(name)) or _TORCH_NAMES.get(_key(name))
+
+
+def _closest(name: str) -> str:
+    names = [*GENERATORS, "auto", *get_args(ScheduleName)]
+    matches = dict.fromkeys(schedule_named(m) or m for m in difflib.get_close_matches(name, names, n=3, cutoff=0.5))
+    return f" Did you mean {' or '.join(repr(m) for m in matches)}?" if matches else ""
 
 
 @dataclass(kw_only=True)
@@ -55,7 +78,7 @@ class PipelineOptions:
             argument, the value and the fix).
     """
 
-    schedule: str | os.PathLike[str] = "1f1b"
+    schedule: ScheduleName | os.PathLike[str] = "1f1b"
     """``"naive"`` (one micro-batch at a time), ``"gpipe"`` (all forwards, then all backwards), ``"1f1b"`` (one forward
     one backward; activation memory bounded by the number of stages), ``"interleaved_1f1b"`` (``stages_per_rank``
     stages per rank, round-robin: a bubble ``stages_per_rank`` times smaller), ``"zb_h1"`` (backward split into input
@@ -67,7 +90,9 @@ class PipelineOptions:
     ``.csv`` file with one row of compute actions per rank in torch.distributed.pipelining's format (it fixes the
     micro-batch count), or ``"auto"``: at the start of ``fit``, global rank 0 times the blocks on the first batch and
     the simulator picks the schedule, ``microbatches``, ``stages_per_rank``, ``balance`` and activation checkpointing
-    it predicts fastest within ``max_memory`` (what the user passes of those is kept; :mod:`lightning_pp.tuning`)."""
+    it predicts fastest within ``max_memory`` (what the user passes of those is kept; :mod:`lightning_pp.tuning`).
+    Names match in any case, with or without underscores, and torch.distributed.pipelining's names are accepted too:
+    ``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"``, ``"ZBVZeroBubble"`` and ``"DualPipeV"``."""
     pipeline_parallel_size: int | None = None
     """Ranks per pipeline; the world size must be a multiple of it. ``None``: the world size (one pipeline, no data
     parallelism)."""
@@ -80,9 +105,7 @@ class PipelineOptions:
     blocks: str | None = None
     """Dotted path of the block container to split (``"model.transformer.h"``); by default the container of repeated
     blocks holding the most parameters."""
-    sequential: str | None = None
-    """The former name of ``blocks``."""
-    balance: Sequence[int] | str | None = None
+    balance: Sequence[int] | Balance | None = None
     """How the blocks are split into stages (``stages_per_rank x pipeline_parallel_size`` of them), each a contiguous
     run of at least one block: ``"uniform"`` (or ``None``, the default) an even split of the block count; ``"params"``
     even parameter counts (the blocks' own); ``"time"`` the split whose slowest stage is fastest, by each block's
@@ -90,19 +113,20 @@ class PipelineOptions:
     also pays the step's work before the blocks, the last the head and loss), broadcast to every rank (outside ``fit``
     it falls back to ``"params"``); or a list of blocks per stage summing to the container's length. The split is made
     in the first run on a module; later runs on it keep it."""
-    timeout: float = 300.0
+    timeout: timedelta = default_pg_timeout
+    """The process group's timeout (its collectives and start-up), as in Lightning's ``DDPStrategy``: by default
+    Lightning's 30 minutes, so slow imports or a large checkpoint write on one rank do not fail the job."""
+    transfer_timeout: float = 300.0
     """Seconds a stage waits for a peer's transfer before raising :class:`~lightning_pp.PipelineTimeoutError` naming
     the stage, the action and the peer; a rank still alive this long (plus 5 s) after another rank of the job failed
     ends itself."""
-    process_group_timeout: float | timedelta | None = None
-    """Timeout of the process group's collectives and of start-up (seconds or a ``timedelta``); by default Lightning's
-    (30 minutes), so slow imports or a large checkpoint write on one rank do not fail the job."""
-    checkpoint_format: str = "full"
-    """``"full"`` gathers the whole model and optimizer on global rank 0 into one file that plain single-device
-    Lightning loads; ``"sharded"`` writes torch's distributed checkpoint, a folder where every rank writes the shards it
-    holds, keyed by parameter name (nothing is gathered). Both resume on any number of stages, replicas and
-    tensor-parallel ranks, as do single-device checkpoints."""
-    process_group_backend: str | None = None
+    state_dict_type: StateDictType = "full"
+    """How checkpoints are saved, with ``FSDPStrategy``'s name and values. ``"full"`` gathers the whole model and
+    optimizer on global rank 0 into one file that plain single-device Lightning loads; ``"sharded"`` writes torch's
+    distributed checkpoint, a folder where every rank writes the shards it holds, keyed by parameter name (nothing is
+    gathered). Both resume on any number of stages, replicas and tensor-parallel ranks, as do single-device
+    checkpoints."""
+    process_group_backend: Backend | None = None
     """``"gloo"`` or ``"nccl"``; by default chosen from the device (gloo cannot carry transfers between GPUs)."""
     reuse_cpu_memory: bool = True
     """On CPU (Linux, glibc), keep freed memory in each stage's process instead of returning it to the operating
@@ -117,7 +141,7 @@ class PipelineOptions:
     """Recompute the blocks' activations in backward instead of keeping them (``True``: every block; an int ``n``:
     every ``n``-th block of the container), with ``torch.utils.checkpoint`` (non-reentrant, the random state restored,
     so dropout masks are the same in the recompute): activation memory for compute."""
-    outside_weights: str = "where_used"
+    outside_weights: OutsideWeights = "where_used"
     """Where the weights outside the blocks live. ``"where_used"``: observed on the first training step, each is kept,
     with its gradient and optimizer state, only on the ranks whose work uses it (an embedding on the first stage, a
     head on the last, a tied embedding/head on both), and its gradient is summed among those; elsewhere its module
@@ -131,7 +155,7 @@ class PipelineOptions:
     the model records with forward hooks, as Hugging Face's ``output_hidden_states`` and router logits, always
     travel.)"""
 
-    data_parallel: str = "ddp"
+    data_parallel_mode: DataParallelMode = "ddp"
     """How the data-parallel replicas of a stage (``pipeline_parallel_size`` smaller than the world) hold its blocks.
     ``"ddp"``: each replica holds them whole and their gradients are averaged once per optimizer step, as DDP does.
     ``"fsdp"``: each block is sharded over the replicas with torch's FSDP2 (``fully_shard``): a replica keeps 1/D of
@@ -173,11 +197,13 @@ class PipelineOptions:
     def _check_schedule(self) -> None:
         schedule = os.fspath(self.schedule) if isinstance(self.schedule, os.PathLike) else self.schedule
         is_file = isinstance(schedule, str) and schedule.lower().endswith(".csv")
-        check(isinstance(schedule, str) and (schedule in GENERATORS or schedule == "auto" or is_file),
-               f"Unknown schedule {schedule!r}. Valid schedules: {', '.join(sorted(GENERATORS))}, 'auto' (chosen from "
-               f"measured costs), or the path of a .csv file with one row of actions per rank "
-               f"(torch.distributed.pipelining's format).")
-        self.schedule = schedule
+        named = schedule_named(schedule) if isinstance(schedule, str) and not is_file else None
+        check(named is not None or is_file,
+               f"Unknown schedule {schedule!r}.{_closest(schedule) if isinstance(schedule, str) else ''} Valid "
+               f"schedules: {', '.join(sorted(GENERATORS))}, 'auto' (chosen from measured costs), torch's names "
+               f"({', '.join(n for n in get_args(ScheduleName) if n not in GENERATORS and n != 'auto')}), or the "
+               f"path of a .csv file with one row of actions per rank (torch.distributed.pipelining's format).")
+        self.schedule = schedule = named or schedule
         stages_per_rank = self.stages_per_rank
         check(stages_per_rank is None or (_is_int(stages_per_rank) and stages_per_rank >= 1),
                f"stages_per_rank={stages_per_rank!r} ({type(stages_per_rank).__name__}): pass a positive integer "
@@ -202,14 +228,10 @@ class PipelineOptions:
                f"number from 2), 'zbv' or 'dualpipev' (2).")
 
     def _check_blocks_and_balance(self) -> None:
-        blocks, sequential, balance = self.blocks, self.sequential, self.balance
-        for name, value in (("blocks", blocks), ("sequential", sequential)):
-            check(value is None or (isinstance(value, str) and value != ""),
-                   f"{name}={value!r} ({type(value).__name__}): pass the dotted path of the block container as a "
-                   f"string, e.g. {name}='model.transformer.h', or None to find it automatically.")
-        check(blocks is None or sequential is None or blocks == sequential,
-               f"blocks={blocks!r} and sequential={sequential!r} name different containers; `sequential` is the "
-               f"former name of `blocks`: pass only blocks=...")
+        blocks, balance = self.blocks, self.balance
+        check(blocks is None or (isinstance(blocks, str) and blocks != ""),
+               f"blocks={blocks!r} ({type(blocks).__name__}): pass the dotted path of the block container as a "
+               f"string, e.g. blocks='model.transformer.h', or None to find it automatically.")
         check(balance in BALANCE_MODES if isinstance(balance, str) else
                balance is None or (isinstance(balance, Sequence) and len(balance) > 0
                                    and all(_is_int(n) and int(n) >= 1 for n in balance)),
@@ -218,15 +240,16 @@ class PipelineOptions:
                f"integers, e.g. balance=[3, 5]).")
 
     def _check_the_rest(self) -> None:
-        timeout, group_timeout = self.timeout, self.process_group_timeout
-        check((_seconds(timeout) or 0) > 0,
-               f"timeout={timeout!r} ({type(timeout).__name__}) must be a positive number of seconds, e.g. "
-               f"timeout=300.")
-        check(group_timeout is None or (_seconds(group_timeout) or 0) > 0,
-               f"process_group_timeout={group_timeout!r} ({type(group_timeout).__name__}) must be a positive number "
-               f"of seconds or a datetime.timedelta, or None for Lightning's default (30 minutes).")
-        check(self.checkpoint_format in ("full", "sharded"),
-               f"checkpoint_format={self.checkpoint_format!r}; use 'full' (one file plain Lightning loads) or "
+        timeout, transfer = self.timeout, self.transfer_timeout
+        check(isinstance(timeout, timedelta) and timeout.total_seconds() > 0,
+               f"timeout={timeout!r} ({type(timeout).__name__}) is the process group's timeout, as in Lightning's "
+               f"DDPStrategy: pass a positive datetime.timedelta, e.g. timeout=timedelta(hours=1). The seconds a stage "
+               f"waits for a peer's transfer are transfer_timeout (e.g. transfer_timeout=300).")
+        check(isinstance(transfer, int | float) and not isinstance(transfer, bool) and transfer > 0,
+               f"transfer_timeout={transfer!r} ({type(transfer).__name__}) must be a positive number of seconds, e.g. "
+               f"transfer_timeout=300.")
+        check(self.state_dict_type in get_args(StateDictType),
+               f"state_dict_type={self.state_dict_type!r}; use 'full' (one file plain Lightning loads) or "
                f"'sharded' (torch's distributed checkpoint: each rank writes its shards, nothing gathered).")
         check(self.process_group_backend is None or self.process_group_backend in BACKENDS,
                f"process_group_backend={self.process_group_backend!r}; use 'gloo' (CPU) or 'nccl' (CUDA GPUs), or "
@@ -238,15 +261,15 @@ class PipelineOptions:
         check(isinstance(checkpointing, bool) or (_is_int(checkpointing) and checkpointing >= 1),
                f"activation_checkpointing={checkpointing!r} ({type(checkpointing).__name__}) must be True (recompute "
                f"every block in backward), False, or a positive int n (every n-th block).")
-        check(self.outside_weights in ("where_used", "everywhere"),
+        check(self.outside_weights in get_args(OutsideWeights),
                f"outside_weights={self.outside_weights!r}; use 'where_used' (each weight outside the blocks only on "
                f"the ranks that use it) or 'everywhere' (on every rank).")
         check(isinstance(self.carry_block_outputs, bool),
                f"carry_block_outputs={self.carry_block_outputs!r} ({type(self.carry_block_outputs).__name__}) must "
                f"be True or False.")
-        check(self.data_parallel in ("ddp", "fsdp"),
-               f"data_parallel={self.data_parallel!r}; use 'ddp' (each replica holds its stage's blocks whole) or "
-               f"'fsdp' (the blocks sharded over the replicas with FSDP2).")
+        check(self.data_parallel_mode in get_args(DataParallelMode),
+               f"data_parallel_mode={self.data_parallel_mode!r}; use 'ddp' (each replica holds its stage's blocks "
+               f"whole) or 'fsdp' (the blocks sharded over the replicas with FSDP2).")
         check(_is_int(self.tensor_parallel_size) and self.tensor_parallel_size >= 1,
                f"tensor_parallel_size={self.tensor_parallel_size!r} ({type(self.tensor_parallel_size).__name__}): "
                f"pass the number of ranks each stage is split over as a positive integer (1: no tensor parallelism).")
@@ -278,17 +301,13 @@ class PipelineOptions:
         if self.schedule != "pipedream_2bw":
             return
         for what, bad in (("tensor_parallel_size > 1", self.tensor_parallel_size > 1),
-                          ("data_parallel='fsdp'", self.data_parallel == "fsdp"),
+                          ("data_parallel_mode='fsdp'", self.data_parallel_mode == "fsdp"),
                           ("activation_checkpointing", bool(self.activation_checkpointing))):
             check(not bad,
                    f"schedule='pipedream_2bw' with {what}: its backwards may run after an optimizer step, on a kept "
                    f"copy of a stage's whole, local weights, which sharded weights do not have (and the strategy's "
                    f"recomputation is not supported with it). Leave {what.split(' ')[0].split('=')[0]} out, or use "
                    f"a synchronous schedule (schedule='1f1b').")
-
-    @property
-    def blocks_name(self) -> str | None:
-        return self.blocks if self.blocks is not None else self.sequential
 
     @property
     def balance_list(self) -> list[int] | None:
@@ -299,15 +318,6 @@ class PipelineOptions:
     def balance_by(self) -> str | None:
         """``"uniform"``, ``"params"`` or ``"time"`` when ``balance`` names a mode."""
         return self.balance if isinstance(self.balance, str) else None
-
-    @property
-    def transfer_timeout(self) -> float:
-        return float(_seconds(self.timeout) or 0)
-
-    @property
-    def group_timeout(self) -> timedelta:
-        seconds = _seconds(self.process_group_timeout) if self.process_group_timeout is not None else None
-        return timedelta(seconds=seconds) if seconds is not None else default_pg_timeout
 
     @property
     def recompute_every(self) -> int:

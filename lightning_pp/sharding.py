@@ -1,5 +1,5 @@
 """Sharded weights: a stage's blocks sharded over its data-parallel replicas with torch's FSDP2
-(``data_parallel="fsdp"``), each block its own ``fully_shard`` unit on the replicas' mesh, and the FSDP2 units and
+(``data_parallel_mode="fsdp"``), each block its own ``fully_shard`` unit on the replicas' mesh, and the FSDP2 units and
 tensor-parallel plans a module applies itself in ``configure_model`` (checked by :func:`check_user_sharding`, units
 adopted by :meth:`BlockSharding.adopt_units`). The schedule's backwards accumulate unsharded gradients without
 communication, and :meth:`BlockSharding.reduce_grads` reduce-scatters them once per optimizer step, as
@@ -218,7 +218,7 @@ def check_user_sharding(module: nn.Module, tensor_parallel_size: int) -> None:
             raise PipelineConfigError(
                 f"`{name or type(module).__name__}` is wrapped in FSDP1 (FullyShardedDataParallel). Shard with FSDP2 "
                 f"(fully_shard(..., mesh=self.device_mesh['data_parallel'])) in configure_model, or pass "
-                f"PipelineParallelStrategy(data_parallel='fsdp'), which shards each stage's blocks itself.")
+                f"PipelineParallelStrategy(data_parallel_mode='fsdp'), which shards each stage's blocks itself.")
     meshes = {name: p.device_mesh.mesh_dim_names for name, p in module.named_parameters() if isinstance(p, DTensor)}
     other = [f"{name} (mesh {dims})" for name, dims in meshes.items()
              if dims not in (("data_parallel",), ("tensor_parallel",), ("data_parallel", "tensor_parallel"))]
@@ -227,7 +227,7 @@ def check_user_sharding(module: nn.Module, tensor_parallel_size: int) -> None:
             f"Parameters {other[:3]} are DTensors on a mesh other than the strategy's. In configure_model, apply "
             f"tensor parallelism with parallelize_module(block, self.device_mesh['tensor_parallel'], plan) and FSDP2 "
             f"with fully_shard(module, mesh=self.device_mesh['data_parallel']) (or let "
-            f"PipelineParallelStrategy(data_parallel='fsdp') shard the blocks).")
+            f"PipelineParallelStrategy(data_parallel_mode='fsdp') shard the blocks).")
     if tensor_parallel_size > 1 and not any("tensor_parallel" in (dims or ()) for dims in meshes.values()):
         raise PipelineConfigError(
             f"tensor_parallel_size={tensor_parallel_size}, but the module applies no tensor-parallel plan: no "
@@ -246,7 +246,8 @@ def shared_block_weights(blocks: list[tuple[str, nn.Module]], outside: list[nn.P
         for p in block.parameters():
             first = owner.setdefault(id(p), name)
             if first != name or id(p) in outside_ids:
-                return (f"`{name}` shares a weight with `{first}`; with data_parallel='fsdp' each block is sharded on "
-                        f"its own, so blocks cannot share weights. Use data_parallel='ddp', or tie the weight outside "
+                return (f"`{name}` shares a weight with `{first}`; with data_parallel_mode='fsdp' each block is "
+                        f"sharded on its own, so blocks cannot share weights. Use data_parallel_mode='ddp', or tie the "
+                        f"weight outside "
                         f"the blocks.")
     return None

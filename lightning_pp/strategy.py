@@ -22,6 +22,7 @@ from lightning.pytorch.utilities.rank_zero import rank_zero_only
 from lightning.pytorch.utilities.types import STEP_OUTPUT
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
+from torch.distributed.constants import default_pg_timeout
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -42,7 +43,16 @@ from lightning_pp.model.assembly import (
 )
 from lightning_pp.model.autotune import choose_configuration
 from lightning_pp.model.session import StageSession, release
-from lightning_pp.options import PipelineOptions, documented_arguments
+from lightning_pp.options import (
+    Backend,
+    Balance,
+    DataParallelMode,
+    OutsideWeights,
+    PipelineOptions,
+    ScheduleName,
+    StateDictType,
+    documented_arguments,
+)
 from lightning_pp.schedules import StepSchedules
 from lightning_pp.sharding import BlockSharding, is_sharded_module
 from lightning_pp.telemetry import PipelineTelemetry
@@ -69,7 +79,7 @@ class PipelineParallelStrategy(ReplicaCollectives, PipelineDataHooks, LoopHooks)
     With ``pipeline_parallel_size=P`` and ``tensor_parallel_size=T`` the world (``devices x num_nodes``) holds
     ``world / (P x T)`` data-parallel replicas of the pipeline, each loading its own shard of the data; every stage's
     gradients are averaged over its replicas once per optimizer step, as DDP does, or its blocks are sharded over them
-    with FSDP2 (``data_parallel="fsdp"``). Each stage is split over T ranks by the tensor-parallel plan the module
+    with FSDP2 (``data_parallel_mode="fsdp"``). Each stage is split over T ranks by the tensor-parallel plan the module
     applies in ``configure_model``. Tensor-parallel ranks, then replicas, of a stage sit on neighbouring ranks
     (:attr:`layout`, :attr:`device_mesh`). A module built under ``trainer.init_module(empty_init=True)`` is on the meta
     device: each rank materializes only what it holds.
@@ -90,14 +100,14 @@ class PipelineParallelStrategy(ReplicaCollectives, PipelineDataHooks, LoopHooks)
     strategy_name = "pipeline"
 
     def __init__(  # the arguments of PipelineOptions, then Lightning's own (LightningCLI reads this signature)
-        self, *, schedule: str | os.PathLike[str] = "1f1b", pipeline_parallel_size: int | None = None,
+        self, *, schedule: ScheduleName | os.PathLike[str] = "1f1b", pipeline_parallel_size: int | None = None,
         stages_per_rank: int | None = None, microbatches: int | None = None, blocks: str | None = None,
-        sequential: str | None = None, balance: Sequence[int] | str | None = None, timeout: float = 300.0,
-        process_group_timeout: float | timedelta | None = None, checkpoint_format: str = "full",
-        process_group_backend: str | None = None, reuse_cpu_memory: bool = True,
+        balance: Sequence[int] | Balance | None = None, timeout: timedelta = default_pg_timeout,
+        transfer_timeout: float = 300.0, state_dict_type: StateDictType = "full",
+        process_group_backend: Backend | None = None, reuse_cpu_memory: bool = True,
         microbatch_weight: Callable[[Any], Any] | None = None, activation_checkpointing: bool | int = False,
-        outside_weights: str = "where_used", carry_block_outputs: bool = False, data_parallel: str = "ddp",
-        tensor_parallel_size: int = 1, max_memory: float | None = None,
+        outside_weights: OutsideWeights = "where_used", carry_block_outputs: bool = False,
+        data_parallel_mode: DataParallelMode = "ddp", tensor_parallel_size: int = 1, max_memory: float | None = None,
         accelerator: pl.accelerators.Accelerator | None = None,
         parallel_devices: list[torch.device] | None = None,
         cluster_environment: ClusterEnvironment | None = None, checkpoint_io: CheckpointIO | None = None,
@@ -108,12 +118,12 @@ class PipelineParallelStrategy(ReplicaCollectives, PipelineDataHooks, LoopHooks)
                          precision_plugin=precision_plugin)
         self.options = PipelineOptions(
             schedule=schedule, pipeline_parallel_size=pipeline_parallel_size, stages_per_rank=stages_per_rank,
-            microbatches=microbatches, blocks=blocks, sequential=sequential, balance=balance, timeout=timeout,
-            process_group_timeout=process_group_timeout, checkpoint_format=checkpoint_format,
+            microbatches=microbatches, blocks=blocks, balance=balance, timeout=timeout,
+            transfer_timeout=transfer_timeout, state_dict_type=state_dict_type,
             process_group_backend=process_group_backend, reuse_cpu_memory=reuse_cpu_memory,
             microbatch_weight=microbatch_weight, activation_checkpointing=activation_checkpointing,
-            outside_weights=outside_weights, carry_block_outputs=carry_block_outputs, data_parallel=data_parallel,
-            tensor_parallel_size=tensor_parallel_size, max_memory=max_memory)
+            outside_weights=outside_weights, carry_block_outputs=carry_block_outputs,
+            data_parallel_mode=data_parallel_mode, tensor_parallel_size=tensor_parallel_size, max_memory=max_memory)
         self._process_group_backend = process_group_backend  # chosen from the device in setup_environment if None
         self._num_nodes = 1
         self._session: StageSession | None = None  # this rank's stage during a Trainer run, from setup to teardown
@@ -180,11 +190,6 @@ class PipelineParallelStrategy(ReplicaCollectives, PipelineDataHooks, LoopHooks)
         return self.num_nodes * self.num_processes
 
     @property
-    def timeout(self) -> float:
-        """Seconds a stage waits for a peer's transfer (see :class:`~lightning_pp.options.PipelineOptions`)."""
-        return self.options.transfer_timeout
-
-    @property
     def microbatches(self) -> int:
         return self.options.microbatches if self.options.microbatches is not None else 2 * self.num_stages
 
@@ -208,7 +213,7 @@ class PipelineParallelStrategy(ReplicaCollectives, PipelineDataHooks, LoopHooks)
             self.cluster_environment.set_world_size(self._world)
         rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
         self._process_group_backend = backend
-        self.object_group = start_process_group(self.cluster_environment, backend, self.options.group_timeout,
+        self.object_group = start_process_group(self.cluster_environment, backend, self.options.timeout,
                                                 self._world, self.global_rank)
         self.agree_sampler_seed(self.object_group)  # one shuffle for every stage, however each rank was seeded
         self.device_mesh = create_device_mesh(self.layout, self.root_device.type)
@@ -216,7 +221,7 @@ class PipelineParallelStrategy(ReplicaCollectives, PipelineDataHooks, LoopHooks)
             _compat.set_module_device_mesh(self.lightning_module, self.device_mesh)
         if self._world > 1:
             self._failures = FailureSignal.for_this_fit(_compat._default_store(), self.global_rank,
-                                                        grace=self.timeout + 5)
+                                                        grace=self.options.transfer_timeout + 5)
             if self.lightning_module is not None:  # told before any callback's on_exception runs a collective
                 listen_first(self.lightning_module.trainer, self.on_exception)
 
@@ -238,14 +243,14 @@ class PipelineParallelStrategy(ReplicaCollectives, PipelineDataHooks, LoopHooks)
                                         self.options.stages_per_rank or 1, self.options.schedule_file is not None)
         schedule = self._schedules(self.microbatches, False)  # raises for a count it cannot run
         assembly = assemble_stage(
-            module, schedule, self.layout, self.global_rank, blocks=self.options.blocks_name,
+            module, schedule, self.layout, self.global_rank, blocks=self.options.blocks,
             balance=balance_for(self.options, module, trainer, self.num_stages, self.microbatches, self.root_device,
                                 self.precision_plugin, self.layout, self.global_rank, self._collective,
                                 self.object_group),
             recompute_every=self.options.recompute_every,
             device=self.root_device, new_group=self._new_group, to_device=self._convert_and_move,
             place_where_used=fitting and self.num_stages > 1 and self.options.outside_weights == "where_used",
-            sharding=BlockSharding.over(self.device_mesh, self.options.data_parallel == "fsdp", module,
+            sharding=BlockSharding.over(self.device_mesh, self.options.data_parallel_mode == "fsdp", module,
                                         str(getattr(self.precision_plugin, "precision", "32-true"))),
             object_group=self.object_group)
         try:
@@ -269,7 +274,7 @@ class PipelineParallelStrategy(ReplicaCollectives, PipelineDataHooks, LoopHooks)
         self.model_to_device()
 
     def _new_group(self, ranks: list[int]) -> Any:
-        return dist.new_group(ranks, backend=self._process_group_backend, timeout=self.options.group_timeout)
+        return dist.new_group(ranks, backend=self._process_group_backend, timeout=self.options.timeout)
 
     @override
     @contextmanager
@@ -376,11 +381,11 @@ class PipelineParallelStrategy(ReplicaCollectives, PipelineDataHooks, LoopHooks)
 
     @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        return {} if self._failed("A checkpoint") else self._checkpoints.module_state(self.options.checkpoint_format)
+        return {} if self._failed("A checkpoint") else self._checkpoints.module_state(self.options.state_dict_type)
 
     @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        full = self.options.checkpoint_format == "full"
+        full = self.options.state_dict_type == "full"
         return {} if self._failed("A checkpoint") else self._checkpoints.optimizer_state(optimizer, full=full)
 
     def _failed(self, what: str) -> bool:  # a failed job saves nothing (OnExceptionCheckpoint): its ranks meet no more
@@ -398,8 +403,8 @@ class PipelineParallelStrategy(ReplicaCollectives, PipelineDataHooks, LoopHooks)
         if self.options.schedule == "pipedream_2bw" and "optimizer_states" in checkpoint:  # not weights only
             pending = self._session.pending_gradient(self._collective) if self._session is not None else None
             self._checkpoints.add_pending_gradient(checkpoint, self._unapplied_gradient if pending is None else pending,
-                                                   full=self.options.checkpoint_format == "full")
-        if self.options.checkpoint_format == "full":
+                                                   full=self.options.state_dict_type == "full")
+        if self.options.state_dict_type == "full":
             super().save_checkpoint(checkpoint, filepath, storage_options=storage_options)
         else:
             self._checkpoints.save_sharded(checkpoint, str(filepath))

@@ -64,7 +64,7 @@ def summarize_whole_model(trainer: pl.Trainer, stage_of: Callable[[int], int], o
                 per_stage[stage_of(rank)] = sum(numel for numel, _ in rank_held.values())
             counts = ", ".join(f"stage {stage}: {get_human_readable_count(count)}"
                                for stage, count in sorted(per_stage.items()))
-            log.info(f"lightning_pp: parameters per stage ({counts}); weights several stages hold count on each")
+            log.info(f"parameters per stage ({counts}); weights several stages hold count on each")
         return PipelineSummary(module, _compat.summary_depth(callback), held)
 
     callbacks = trainer.callbacks  # type: ignore[attr-defined]

@@ -223,7 +223,7 @@ def start_process_group(cluster_environment: Any, backend: str, timeout: timedel
         atexit.unregister(_destroy_gloo_process_group)  # once, however many fits this process runs
         atexit.register(_destroy_gloo_process_group)
     if emulating_nccl() and backend == "gloo" and rank == 0:
-        log.warning(f"lightning_pp: {ENV_VAR} is set: the transfers follow NCCL's protocol on gloo.")
+        log.warning(f"{ENV_VAR} is set: the transfers follow NCCL's protocol on gloo.")
     if world_size > 1 and (backend != "gloo" or emulating_nccl()):
         return dist.new_group(backend="gloo", timeout=timeout)
     return None

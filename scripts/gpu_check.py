@@ -326,13 +326,13 @@ def check_checkpoint(fmt: str) -> Callable[[], str]:
             plain_path, path = Path(folder) / "plain.ckpt", Path(folder) / "pipeline.ckpt"
             fit(make, data, max_steps=2)[2].save_checkpoint(plain_path)
             want, want_losses = resumed_run(make, data, plain_path, "auto")
-            _, _, run = fit(make, data, pipeline("interleaved_1f1b", 2, checkpoint_format=fmt), max_steps=2)
+            _, _, run = fit(make, data, pipeline("interleaved_1f1b", 2, state_dict_type=fmt), max_steps=2)
             run.save_checkpoint(path)
             detail = ""
             if fmt == "full":  # plain Lightning resumes from it
                 compare(resumed_run(make, data, path, "auto")[0], want, S.atol)
                 detail = "plain Lightning resumed it as its own; "
-            got, losses = resumed_run(make, data, path, pipeline("interleaved_1f1b", 2, checkpoint_format=fmt))
+            got, losses = resumed_run(make, data, path, pipeline("interleaved_1f1b", 2, state_dict_type=fmt))
             worst = compare(got, want, S.atol)
             compare_losses(losses, want_losses, 1e-5)
         return f"{detail}saved at step 2, resumed to 4: weights within {worst:.1e} of plain Lightning's resume"

@@ -119,8 +119,8 @@ def train(kind: str, catch: bool = False, **strategy: Any) -> dict[str, Any]:
 
     rank = int(os.environ["LOCAL_RANK"])
     try:
-        return fit(kind, PipelineParallelStrategy(**{"timeout": 30, **strategy}), devices=WORLD_SIZE, rank=rank,
-                   world=WORLD_SIZE)
+        return fit(kind, PipelineParallelStrategy(**{"transfer_timeout": 30, **strategy}), devices=WORLD_SIZE,
+                   rank=rank, world=WORLD_SIZE)
     except Exception as error:
         if not catch:
             raise

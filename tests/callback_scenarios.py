@@ -88,7 +88,7 @@ def pipelined_averaged(runs: list[dict[str, Any]], **strategy: Any) -> list[dict
     """`averaged` on the pipeline, one run after another (a later run may resume from an earlier run's file)."""
     from lightning_pp import PipelineParallelStrategy
 
-    return [averaged(**run, strategy=PipelineParallelStrategy(timeout=60, **strategy), devices=WORLD_SIZE)
+    return [averaged(**run, strategy=PipelineParallelStrategy(transfer_timeout=60, **strategy), devices=WORLD_SIZE)
             for run in runs]
 
 
@@ -99,7 +99,7 @@ def normed_warnings(microbatches: int) -> list[str]:
     L.seed_everything(7, verbose=False)
     trainer = L.Trainer(accelerator="cpu", devices=WORLD_SIZE, max_steps=1, logger=False, enable_progress_bar=False,
                         enable_checkpointing=False, enable_model_summary=False,
-                        strategy=PipelineParallelStrategy(timeout=60, microbatches=microbatches))
+                        strategy=PipelineParallelStrategy(transfer_timeout=60, microbatches=microbatches))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         trainer.fit(NormedBlocks(), make_data("mlp"))
@@ -122,7 +122,7 @@ def throughput(strategy: Any = "auto", devices: int = 1) -> dict[str, Any]:
 def pipelined_throughput(**strategy: Any) -> dict[str, Any]:
     from lightning_pp import PipelineParallelStrategy
 
-    return throughput(PipelineParallelStrategy(timeout=60, **strategy), WORLD_SIZE)
+    return throughput(PipelineParallelStrategy(transfer_timeout=60, **strategy), WORLD_SIZE)
 
 
 class TunedMLP(ValidatedMLP):
@@ -206,4 +206,4 @@ def sweep(strategy: Any = "auto", devices: int = 1) -> dict[str, Any]:  # strate
 def pipelined_sweep(**strategy: Any) -> dict[str, Any]:
     from lightning_pp import PipelineParallelStrategy
 
-    return sweep(lambda: PipelineParallelStrategy(timeout=60, **strategy), WORLD_SIZE)  # one per Trainer
+    return sweep(lambda: PipelineParallelStrategy(transfer_timeout=60, **strategy), WORLD_SIZE)  # one per Trainer

@@ -645,8 +645,8 @@ class GradientRecorder(L.Callback):
 
 
 def whole(tensor: torch.Tensor) -> torch.Tensor:
-    """A tensor sharded over replicas (``data_parallel="fsdp"``: a DTensor) gathered whole (every replica calls it in
-    the same order); any other tensor as it is."""
+    """A tensor sharded over replicas (``data_parallel_mode="fsdp"``: a DTensor) gathered whole (every replica calls it
+    in the same order); any other tensor as it is."""
     from torch.distributed.tensor import DTensor
 
     return tensor.full_tensor() if isinstance(tensor, DTensor) else tensor

@@ -23,7 +23,7 @@ def train(model: str, max_steps: int = 4, batch_size: int = 8, trainer: dict[str
           **strategy: Any) -> dict[str, Any]:
     """Train pipelined (each rank seeded differently with ``seed_per_rank``); return this stage's parameters and (on
     rank 0) the logged metrics."""
-    return _train(PipelineParallelStrategy(timeout=timeout, **strategy), model, max_steps, batch_size, trainer,
+    return _train(PipelineParallelStrategy(transfer_timeout=timeout, **strategy), model, max_steps, batch_size, trainer,
                   max_epochs, ckpt_path, save_to, fp16_scaler, seed_per_rank)
 
 
@@ -89,7 +89,7 @@ def _train(strategy: Any, model: str, max_steps: int, batch_size: int, trainer: 
     scaler = getattr(module.trainer.precision_plugin, "scaler", None)
     from torch.distributed.tensor import DTensor
 
-    # blocks sharded over the replicas (data_parallel="fsdp") gathered whole, on every replica alike (a collective)
+    # blocks sharded over the replicas (data_parallel_mode="fsdp") gathered whole, on every replica alike (a collective)
     state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
              for k, v in module.state_dict().items()}
     return {"state": state, "history": logger.history,
@@ -134,7 +134,7 @@ def meta_memory(model: str = "wide", **strategy: Any) -> dict[str, Any]:
     L.seed_everything(7, verbose=False)
     trainer = L.Trainer(accelerator="cpu", devices=DEVICES, max_steps=1, logger=False, enable_checkpointing=False,
                         enable_progress_bar=False, enable_model_summary=False, callbacks=[AtTrainStart()],
-                        strategy=PipelineParallelStrategy(timeout=60, **strategy))
+                        strategy=PipelineParallelStrategy(transfer_timeout=60, **strategy))
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak to the present
     before = resident_kib("VmRSS:") * 1024
     with trainer.init_module(empty_init=True):
@@ -150,7 +150,7 @@ def fit_then_validate(model: str, timeout: float = 60, **strategy: Any) -> dict[
     """Fit, then ``trainer.validate`` the same module (a later run on it); return what validate returned."""
     from models import fit, make_data
 
-    module, _ = fit(model, PipelineParallelStrategy(timeout=timeout, **strategy), devices=DEVICES)
+    module, _ = fit(model, PipelineParallelStrategy(transfer_timeout=timeout, **strategy), devices=DEVICES)
     return {"validate": module.trainer.validate(module, make_data(model, seed=99), verbose=False)}
 
 
@@ -161,8 +161,8 @@ def fit_twice(model: str, timeout: float = 60, **strategy: Any) -> dict[str, Any
     from models import RecordingLogger, make_data
     from torch.distributed.tensor import DTensor
 
-    module, _ = fit(model, PipelineParallelStrategy(timeout=timeout, **strategy), devices=DEVICES)
-    trainer = L.Trainer(accelerator="cpu", devices=DEVICES, strategy=PipelineParallelStrategy(timeout=timeout,
+    module, _ = fit(model, PipelineParallelStrategy(transfer_timeout=timeout, **strategy), devices=DEVICES)
+    trainer = L.Trainer(accelerator="cpu", devices=DEVICES, strategy=PipelineParallelStrategy(transfer_timeout=timeout,
                                                                                           **strategy),
                         max_steps=2, logger=RecordingLogger(), enable_checkpointing=False, enable_progress_bar=False,
                         enable_model_summary=False)
@@ -296,14 +296,15 @@ def save_by_hand_after_fit(save_to: str, **strategy: Any) -> dict[str, Any]:
 def lifecycle(timeout: float = 60, **strategy: Any) -> dict[str, Any]:
     import models
 
-    return models.lifecycle(PipelineParallelStrategy(timeout=timeout, **strategy), devices=WORLD_SIZE,
+    return models.lifecycle(PipelineParallelStrategy(transfer_timeout=timeout, **strategy), devices=WORLD_SIZE,
                             num_sanity_val_steps=2)
 
 
 def with_callbacks(dirpath: str, timeout: float = 60, **strategy: Any) -> dict[str, Any]:
     import models
 
-    return models.with_callbacks(dirpath, PipelineParallelStrategy(timeout=timeout, **strategy), devices=WORLD_SIZE)
+    return models.with_callbacks(dirpath, PipelineParallelStrategy(transfer_timeout=timeout, **strategy),
+                                 devices=WORLD_SIZE)
 
 
 def p2p_exchange(steps: list[list[tuple[str, list[int]]]], prefetch: int = 2,
@@ -451,7 +452,7 @@ def train_real(model: str, timeout: float = 60, dirpath: str | None = None, **st
 
     if "microbatch_weight" in strategy:  # named: a function cannot travel in the job's JSON
         strategy["microbatch_weight"] = getattr(real_models, strategy["microbatch_weight"])
-    return real_models.run(model, PipelineParallelStrategy(timeout=timeout, **strategy), devices=WORLD_SIZE,
+    return real_models.run(model, PipelineParallelStrategy(transfer_timeout=timeout, **strategy), devices=WORLD_SIZE,
                            dirpath=dirpath)
 
 
@@ -619,7 +620,7 @@ def die_while_saving_sharded(dirpath: str, rank_to_kill: int, at_save: int, max_
                                   save_on_train_epoch_end=True)
     FileSystemWriter.write_data = dying_write  # type: ignore[method-assign]
     try:
-        train("mlp", max_steps=-1, max_epochs=max_epochs, checkpoint_format="sharded",
+        train("mlp", max_steps=-1, max_epochs=max_epochs, state_dict_type="sharded",
               trainer={"callbacks": [every_epoch], "enable_checkpointing": True}, **strategy)
     except BaseException as error:
         return {"type": type(error).__name__, "message": str(error)[:2000], "last_saves": last_saves}

@@ -36,7 +36,7 @@ def resources_over_fits(fits: int, model: str = "mlp", **strategy: Any) -> list[
     each, this process's threads (by name), open descriptors and sockets."""
     counts = []
     for _ in range(fits):
-        fit(model, PipelineParallelStrategy(timeout=60, **strategy), devices=DEVICES, max_steps=2)
+        fit(model, PipelineParallelStrategy(transfer_timeout=60, **strategy), devices=DEVICES, max_steps=2)
         time.sleep(0.2)  # a thread told to stop at teardown may still be on its way out
         fds, sockets = _open_files()
         counts.append({"threads": sorted(t.name for t in threading.enumerate()),
@@ -86,7 +86,7 @@ def sigterm_every_rank(dirpath: str, step: int, timeout: float = 30, max_steps: 
             trainer_ref.append(trainer)
 
     try:
-        fit("mlp", PipelineParallelStrategy(timeout=timeout, **strategy), devices=DEVICES, max_steps=max_steps,
+        fit("mlp", PipelineParallelStrategy(transfer_timeout=timeout, **strategy), devices=DEVICES, max_steps=max_steps,
             callbacks=[signaller, OnExceptionCheckpoint(dirpath), Keep()], enable_checkpointing=True)
     except BaseException as error:  # SIGTERMException is a SystemExit
         ended = {"type": type(error).__name__, "message": str(error)[:2000]}
@@ -122,7 +122,7 @@ def fail_with_on_exception_checkpoint(dirpath: str | None, how: str, rank: int, 
 
     ended: dict[str, Any] = {"type": "none", "message": ""}
     try:
-        fit("mlp", PipelineParallelStrategy(timeout=timeout, **strategy), devices=DEVICES, max_steps=step + 3,
+        fit("mlp", PipelineParallelStrategy(transfer_timeout=timeout, **strategy), devices=DEVICES, max_steps=step + 3,
             callbacks=[Fail(), *([OnExceptionCheckpoint(dirpath)] if dirpath is not None else [])],
             enable_checkpointing=dirpath is not None)
     except BaseException as error:

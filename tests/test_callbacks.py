@@ -147,7 +147,7 @@ def test_callbacks_that_cannot_give_one_devices_result_are_refused(callback: L.C
         check_callbacks(trainer, callback_scenarios.BlocksOnly(), options=options, microbatches=2)
 
 
-@pytest.mark.parametrize("option", [{"checkpoint_format": "sharded"}, {"data_parallel": "fsdp"},
+@pytest.mark.parametrize("option", [{"state_dict_type": "sharded"}, {"data_parallel_mode": "fsdp"},
                                     {"schedule": "pipedream_2bw"}], ids=lambda o: next(iter(o)))
 def test_weight_averaging_refuses_what_a_stages_averaged_model_does_not_cover(option: dict[str, Any]) -> None:
     trainer = L.Trainer(accelerator="cpu", devices=2, strategy=PipelineParallelStrategy(**option),

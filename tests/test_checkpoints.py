@@ -52,14 +52,14 @@ def test_sharded_checkpoint_resumes_on_other_stage_counts(tmp_path: Path) -> Non
     uninterrupted = single_device_state(max_epochs=2)
     four = str(tmp_path / "four_stages.ckpt")
     ranks = launch(4, [epochs_run(schedule="gpipe", microbatches=4, max_epochs=1, save_to=four,
-                                  checkpoint_format="sharded", trainer={})], timeout=200)
+                                  state_dict_type="sharded", trainer={})], timeout=200)
     # torch's distributed checkpoint: one file per rank (each stage writes its blocks), and the rest of the checkpoint
     assert sorted(p.name for p in Path(four).iterdir()) == [
         ".metadata", "__0_0.distcp", "__1_0.distcp", "__2_0.distcp", "__3_0.distcp", "checkpoint.pt"]
     ranks = launch(2, [epochs_run(schedule="1f1b", microbatches=2, max_epochs=2, ckpt_path=four,
-                                  checkpoint_format="sharded", trainer={}),
+                                  state_dict_type="sharded", trainer={}),
                        epochs_run(schedule="dualpipev", microbatches=4, max_epochs=2, ckpt_path=four,
-                                  checkpoint_format="sharded", trainer={})], timeout=200)
+                                  state_dict_type="sharded", trainer={})], timeout=200)
     assert_params_close(assemble(ranks, 0)[0], uninterrupted, "4-stage sharded checkpoint resumed on 2 stages")
     assert_params_close(assemble(ranks, 1)[0], uninterrupted, "4-stage sharded checkpoint resumed on DualPipeV's V")
 
@@ -96,7 +96,7 @@ def test_a_checkpoint_saved_by_hand_after_fit_gathers_on_a_gloo_group_of_its_own
     monkeypatch.setenv(ENV_VAR, "1")  # the ranks inherit the environment
     full, sharded = str(tmp_path / "full.ckpt"), str(tmp_path / "sharded")
     ranks = launch(2, [{"scenario": "save_by_hand_after_fit",
-                        "kwargs": {"save_to": path, "schedule": "1f1b", "microbatches": 2, "checkpoint_format": form}}
+                        "kwargs": {"save_to": path, "schedule": "1f1b", "microbatches": 2, "state_dict_type": form}}
                        for path, form in ((full, "full"), (sharded, "sharded"))], timeout=200)
     for rank in ranks:
         assert not rank.errors, rank.errors
@@ -119,7 +119,7 @@ def block_checkpoints(tmp_path_factory: pytest.TempPathFactory) -> dict[str, str
     paths = {f"{model}_{form}": str(folder / f"{model}_{form}.ckpt")
              for model in ("mlp_blocks4", "mlp_blocks6") for form in ("full", "sharded")}
     runs = [{"scenario": "train", "kwargs": {"model": name.rpartition("_")[0], "max_steps": 2, "save_to": path,
-                                             "checkpoint_format": name.rpartition("_")[2], "schedule": "1f1b",
+                                             "state_dict_type": name.rpartition("_")[2], "schedule": "1f1b",
                                              "microbatches": 2}} for name, path in paths.items()]
     for rank in launch(2, runs, timeout=300):
         assert not rank.errors, rank.errors
@@ -143,7 +143,7 @@ def test_a_checkpoint_of_another_model_is_refused_alike_on_every_rank(block_chec
     blocks and ``strict_loading``. ``strict_loading = False`` loads what matches, as Lightning does."""
     runs = []
     for form in ("full", "sharded"):
-        options = {"max_steps": 3, "checkpoint_format": form, "schedule": "1f1b", "microbatches": 2}
+        options = {"max_steps": 3, "state_dict_type": form, "schedule": "1f1b", "microbatches": 2}
         runs += [{"scenario": "expect_error", "kwargs": {"model": "mlp_blocks4",
                                                          "ckpt_path": block_checkpoints[f"mlp_blocks6_{form}"],
                                                          **options}},
@@ -155,7 +155,7 @@ def test_a_checkpoint_of_another_model_is_refused_alike_on_every_rank(block_chec
                                                          **options}}]
     ranks = launch(2, runs, timeout=300)
     for first in (0, 3):
-        form = runs[first]["kwargs"]["checkpoint_format"]
+        form = runs[first]["kwargs"]["state_dict_type"]
         extra, lacking, lenient = (_refusals(ranks, first + i) for i in range(3))
         for refusal, path in ((extra, block_checkpoints[f"mlp_blocks6_{form}"]),
                               (lacking, block_checkpoints[f"mlp_blocks4_{form}"])):
@@ -189,7 +189,7 @@ def test_a_checkpoint_cut_short_or_missing_a_part_is_refused_naming_it(block_che
             (folder / damage).unlink()
             damaged.append((folder, "sharded", damage if name != "no_metadata" else str(folder)))
     ranks = launch(2, [{"scenario": "expect_error", "kwargs": {"model": "mlp_blocks4", "ckpt_path": str(path),
-                                                               "max_steps": 3, "checkpoint_format": form}}
+                                                               "max_steps": 3, "state_dict_type": form}}
                        for path, form, _ in damaged], timeout=300)
     for index, (path, _, named) in enumerate(damaged):
         refusal = _refusals(ranks, index)
@@ -221,7 +221,7 @@ def test_a_rank_dying_while_writing_a_sharded_checkpoint_leaves_the_previous_one
 
     uninterrupted = single_device_state(max_epochs=3)
     last = str(torn / "last.ckpt")
-    ranks = launch(2, [epochs_run(max_epochs=3, ckpt_path=last, save_to=last, checkpoint_format="sharded",
+    ranks = launch(2, [epochs_run(max_epochs=3, ckpt_path=last, save_to=last, state_dict_type="sharded",
                                   trainer={}, **options)], timeout=200)
     assert_params_close(assemble(ranks, 0)[0], uninterrupted, "resumed from the last.ckpt a dead rank left")
     assert sorted(p.name for p in torn.iterdir()) == ["epoch=2-step=12.ckpt", "last.ckpt"]

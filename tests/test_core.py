@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import re
+import typing
+from datetime import timedelta
 
 import pytest
 import torch
@@ -59,9 +61,13 @@ def test_split_batch_errors() -> None:
 @pytest.mark.parametrize(
     ("kwargs", "message"),
     [
-        ({"schedule": "interleaved"}, r"Unknown schedule 'interleaved'. Valid schedules: 1f1b, dualpipev, "
-                                      r"gpipe, interleaved_1f1b, naive, pipedream_2bw, zb_h1, zbv, 'auto' \(chosen "
-                                      r"from measured costs\), or the path of a \.csv file"),
+        ({"schedule": "interleaved"}, r"Unknown schedule 'interleaved'. Did you mean 'interleaved_1f1b'\? Valid "
+                                      r"schedules: 1f1b, dualpipev, gpipe, interleaved_1f1b, naive, pipedream_2bw, "
+                                      r"zb_h1, zbv, 'auto' \(chosen from measured costs\), torch's names \(GPipe, "
+                                      r"1F1B, Interleaved1F1B, ZBVZeroBubble, DualPipeV\), or the path of a "
+                                      r"\.csv file"),
+        ({"schedule": "ZBVZeroBuble"}, r"Did you mean 'zbv'\?"),
+        ({"schedule": "1fb1"}, r"Did you mean '1f1b'"),
         ({"schedule": "missing.csv"}, r"Schedule file 'missing.csv' does not exist"),
         ({"schedule": "interleaved_1f1b", "stages_per_rank": 1}, r"runs at least 2 stage\(s\) per rank"),
         ({"schedule": "1f1b", "stages_per_rank": 2}, r"Several stages per rank need schedule='interleaved_1f1b'"),
@@ -76,15 +82,16 @@ def test_split_batch_errors() -> None:
         ({"balance": "22"}, r"balance='22' must be 'uniform' \(an even split\), 'params'"),
         ({"balance": "speed"}, r"balance='speed' must be 'uniform' \(an even split\), 'params' \(even parameter "
                                r"counts\), 'time' \(measured forward and backward time\) or a list"),
-        ({"timeout": 0}, r"timeout=0 \(int\) must be a positive number of seconds"),
-        ({"timeout": "20"}, r"timeout='20' \(str\) must be a positive number of seconds"),
-        ({"process_group_timeout": -1}, r"process_group_timeout=-1 \(int\) must be a positive number"),
-        ({"process_group_timeout": "1h"}, r"process_group_timeout='1h' \(str\)"),
+        ({"timeout": 60}, r"timeout=60 \(int\) is the process group's timeout, as in Lightning's DDPStrategy: pass a "
+                          r"positive datetime.timedelta.*transfer_timeout"),
+        ({"timeout": timedelta(0)}, r"timeout=datetime.timedelta\(0\) \(timedelta\)"),
+        ({"transfer_timeout": 0}, r"transfer_timeout=0 \(int\) must be a positive number of seconds"),
+        ({"transfer_timeout": "20"}, r"transfer_timeout='20' \(str\) must be a positive number of seconds"),
+        ({"data_parallel_mode": "zero3"}, r"data_parallel_mode='zero3'; use 'ddp'"),
         ({"reuse_cpu_memory": "no"}, r"reuse_cpu_memory='no' \(str\) must be True or False"),
         ({"process_group_backend": "mpi2"}, r"process_group_backend='mpi2'; use 'gloo' \(CPU\) or 'nccl'"),
-        ({"checkpoint_format": "zip"}, r"checkpoint_format='zip'; use 'full'"),
+        ({"state_dict_type": "zip"}, r"state_dict_type='zip'; use 'full'"),
         ({"blocks": 3}, r"blocks=3 \(int\): pass the dotted path"),
-        ({"blocks": "a", "sequential": "b"}, r"blocks='a' and sequential='b' name different containers"),
     ],
 )
 def test_strategy_rejects_bad_arguments(kwargs: dict, message: str) -> None:
@@ -93,12 +100,20 @@ def test_strategy_rejects_bad_arguments(kwargs: dict, message: str) -> None:
 
 
 def test_timeouts_are_separate() -> None:
-    from datetime import timedelta
+    """``timeout`` is the process group's, as in Lightning's strategies; the transfers' is ``transfer_timeout``."""
+    strategy = PipelineParallelStrategy(transfer_timeout=20)
+    assert strategy.options.transfer_timeout == 20
+    assert strategy.options.timeout == timedelta(minutes=30)  # Lightning's (torch's) default
+    assert PipelineParallelStrategy(timeout=timedelta(hours=2)).options.timeout == timedelta(hours=2)
 
-    strategy = PipelineParallelStrategy(timeout=20)
-    assert strategy.timeout == 20.0
-    assert strategy.options.group_timeout == timedelta(minutes=30)  # Lightning's (torch's) default
-    assert PipelineParallelStrategy(process_group_timeout=90).options.group_timeout == timedelta(seconds=90)
+
+def test_torch_schedule_names_and_any_case_name_ours() -> None:
+    """torch.distributed.pipelining's names (its ``get_schedule_class`` matches them case-insensitively) and ours in
+    any case or spelling of underscores choose our schedule; a file path is left as given."""
+    for name, ours in (("1F1B", "1f1b"), ("GPipe", "gpipe"), ("Interleaved1F1B", "interleaved_1f1b"),
+                       ("ZBVZeroBubble", "zbv"), ("DualPipeV", "dualpipev"), ("ZB_H1", "zb_h1"), ("zbh1", "zb_h1"),
+                       ("PipeDream-2BW", "pipedream_2bw"), ("AUTO", "auto")):
+        assert PipelineParallelStrategy(schedule=name).options.schedule == ours, name
 
 
 def test_balance_for_another_world_size_fails_before_launch() -> None:
@@ -201,7 +216,14 @@ def test_strategy_takes_every_option_and_describes_it() -> None:
     args = doc[doc.index("\n    Args:\n"):]
     for name in options:
         assert f"\n        {name}: " in args, name
-    assert "former name of ``blocks``" in args
+    # every choice is a Literal, so LightningCLI lists and checks its values
+    hints = typing.get_type_hints(PipelineParallelStrategy.__init__)
+    for name, value in (("schedule", "zb_h1"), ("balance", "time"), ("state_dict_type", "sharded"),
+                        ("data_parallel_mode", "fsdp"), ("outside_weights", "everywhere"),
+                        ("process_group_backend", "nccl")):
+        literals = [arg for arg in (hints[name], *typing.get_args(hints[name]))
+                    if typing.get_origin(arg) is typing.Literal]
+        assert literals and value in typing.get_args(literals[0]), (name, hints[name])
 
 
 def test_declared_minimums_are_the_ones_checked() -> None:
@@ -239,3 +261,37 @@ def test_fsdp_param_groups_of_a_state_before_and_after_torch_2_12() -> None:
     assert _compat.fsdp_param_groups(SimpleNamespace(_fsdp_param_group=None)) == []
     both = SimpleNamespace(_fsdp_param_groups=["a", "b"], _fsdp_param_group="a")
     assert _compat.fsdp_param_groups(both) == ["a", "b"]
+
+
+def test_the_package_logs_through_its_logger_never_print(monkeypatch: pytest.MonkeyPatch) -> None:
+    """No ``print`` in the package; its handler (where the application configured no logging) shows what is below
+    ERROR from global rank 0 only, errors from every rank, and stays silent where a root handler shows the record."""
+    import ast
+    import logging
+    from pathlib import Path
+
+    from lightning_utilities.core.rank_zero import rank_zero_only
+
+    import lightning_pp
+    from lightning_pp._logging import RankZeroBelowError
+
+    package = Path(lightning_pp.__file__).parent
+    printed = [f"{path.relative_to(package)}:{node.lineno}" for path in package.rglob("*.py")
+               for node in ast.walk(ast.parse(path.read_text()))
+               if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print"]
+    assert printed == []
+    logger = logging.getLogger("lightning_pp")
+    assert logger.level == logging.INFO
+    [handler] = [h for h in logger.handlers if any(isinstance(f, RankZeroBelowError) for f in h.filters)]
+
+    def shown(level: int, rank: int) -> bool:
+        monkeypatch.setattr(rank_zero_only, "rank", rank, raising=False)
+        return bool(handler.filter(logging.LogRecord("lightning_pp.x", level, __file__, 1, "m", None, None)))
+
+    root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [])
+    assert shown(logging.INFO, 0) and not shown(logging.INFO, 1) and not shown(logging.WARNING, 1)
+    assert shown(logging.ERROR, 1)
+    monkeypatch.setattr(root, "handlers", [logging.NullHandler()])
+    assert not shown(logging.INFO, 0) and not shown(logging.ERROR, 1)
+    assert lightning_pp.__version__ == __import__("importlib.metadata").metadata.version("lightning_pp")

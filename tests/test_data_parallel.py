@@ -89,14 +89,14 @@ PIPELINED_RUNS = [(model, schedule) for model in SGD_MODELS
 METRICS_RUN, CLIPPED_RUN = len(PIPELINED_RUNS), len(PIPELINED_RUNS) + 1
 # clipped by the norm of the whole model's averaged gradients (the tied weight counted once), 2 batches per step
 CLIPPED = {"gradient_clip_val": 0.05, "gradient_clip_algorithm": "norm", "accumulate_grad_batches": 2}
-# data_parallel="fsdp" (blocks sharded over the replicas): (model, schedule, trainer options); the first saves a full
-# checkpoint, the second a sharded one
+# data_parallel_mode="fsdp" (blocks sharded over the replicas): (model, schedule, trainer options); the first saves a
+# full checkpoint, the second a sharded one
 FSDP_RUNS = [("mlp_sgd", "1f1b", {}), ("mlp_sgd", "gpipe", {}), ("tied_sgd", "zb_h1", {}),
              ("tied_modules_sgd", "interleaved_1f1b", {}), ("tied_modules_sgd", "1f1b", CLIPPED),
              ("tied_modules_sgd", "dualpipev", {}), ("mlp_sgd", "auto", {})]
-# the weights outside the blocks that data_parallel="fsdp" shards (the rest stay whole where used): all of the MLP's;
-# of the tied models, the norm, and the tied projection where each end reads it in a module's forward (not where the
-# head reads `self.inp.weight` in training_step)
+# the weights outside the blocks that data_parallel_mode="fsdp" shards (the rest stay whole where used): all of the
+# MLP's; of the tied models, the norm, and the tied projection where each end reads it in a module's forward (not where
+# the head reads `self.inp.weight` in training_step)
 SHARDED_OUTSIDE = {"mlp_sgd": {"inp.weight", "inp.bias", "head.weight", "head.bias"},
                    "tied_sgd": {"norm.weight", "norm.bias"},
                    "tied_modules_sgd": {"inp.weight", "inp.bias", "norm.weight", "norm.bias"}}
@@ -147,26 +147,26 @@ def pipelined_job(checkpoints: Path) -> Job:
         if (model, schedule) == ("mlp_sgd", "1f1b"):
             extra = {"save_to": str(checkpoints / "full.ckpt")}
         elif (model, schedule) == ("mlp_sgd", "gpipe"):
-            extra = {"save_to": str(checkpoints / "sharded"), "checkpoint_format": "sharded"}
+            extra = {"save_to": str(checkpoints / "sharded"), "state_dict_type": "sharded"}
         runs.append(pipelined_replicas(model, schedule, **extra))
     runs.append(pipelined_replicas("synced_metrics", "gpipe"))
     runs.append(pipelined_replicas("tied_sgd", "1f1b", trainer={"record_batches": True, **CLIPPED}))
     saves = [{"save_to": str(checkpoints / "fsdp_full.ckpt")},
-             {"save_to": str(checkpoints / "fsdp_sharded"), "checkpoint_format": "sharded"}]
+             {"save_to": str(checkpoints / "fsdp_sharded"), "state_dict_type": "sharded"}]
     for index, (model, schedule, trainer) in enumerate(FSDP_RUNS):
-        runs.append(pipelined_replicas(model, schedule, data_parallel="fsdp",
+        runs.append(pipelined_replicas(model, schedule, data_parallel_mode="fsdp",
                                        trainer={"record_batches": True, **trainer},
                                        **(saves[index] if index < len(saves) else {})))
     for data_parallel in ("ddp", "fsdp"):
-        runs.append({"scenario": "train", "kwargs": {**PAIRED, "data_parallel": data_parallel}})
+        runs.append({"scenario": "train", "kwargs": {**PAIRED, "data_parallel_mode": data_parallel}})
     for data_parallel in ("ddp", "fsdp"):
         runs.append({"scenario": "fit_then_validate", "kwargs": {
             "model": "bn_head_validated", "microbatches": 2, "pipeline_parallel_size": STAGES,
-            "data_parallel": data_parallel}})
+            "data_parallel_mode": data_parallel}})
     for data_parallel in ("ddp", "fsdp"):
         runs.append({"scenario": "fit_twice", "kwargs": {
             "model": "tied_modules_sgd", "microbatches": 2, "pipeline_parallel_size": STAGES,
-            "data_parallel": data_parallel}})
+            "data_parallel_mode": data_parallel}})
     return run_job(REPLICAS * STAGES, runs, timeout=390)
 
 
@@ -300,9 +300,9 @@ def test_synced_logging_and_torchmetrics_match_ddp(ddp_job: Job, pipelined_job: 
 @pytest.mark.multiprocess
 def test_blocks_sharded_over_the_replicas_with_fsdp2_match_ddp(ddp_job: Job, pipelined_job: Job,
                                                                checkpoints: Path) -> None:
-    """``data_parallel="fsdp"``: each replica holds half of each block weight (FSDP2 shards), and training equals DDP's
-    under 1f1b, gpipe, zb_h1 (split backward), interleaved 1f1b, dualpipev and what schedule="auto" chooses, with a
-    tied embedding/head, and with global-norm clipping over the shards and 2 accumulated batches per step. The full
+    """``data_parallel_mode="fsdp"``: each replica holds half of each block weight (FSDP2 shards), and training equals
+    DDP's under 1f1b, gpipe, zb_h1 (split backward), interleaved 1f1b, dualpipev and what schedule="auto" chooses, with
+    a tied embedding/head, and with global-norm clipping over the shards and 2 accumulated batches per step. The full
     checkpoint gathers the shards into what DDP saves and plain Lightning loads."""
     ddp_ranks, ranks = ddp_job.get(), pipelined_job.get()
     for offset, (model, schedule, trainer) in enumerate(FSDP_RUNS):
@@ -336,7 +336,7 @@ def test_blocks_sharded_over_the_replicas_with_fsdp2_match_ddp(ddp_job: Job, pip
 @pytest.mark.multiprocess
 def test_fsdp2_trains_as_ddp_replicas_do_with_meta_build_fp16_value_clipping_and_a_later_run(pipelined_job: Job
                                                                                              ) -> None:
-    """The same pipeline with ``data_parallel="ddp"`` and ``"fsdp"``: built on the meta device and split unevenly
+    """The same pipeline with ``data_parallel_mode="ddp"`` and ``"fsdp"``: built on the meta device and split unevenly
     ([2, 6] blocks: stages materialize and shard different numbers of blocks), each rank seeded differently (the
     blocks start from replica 0's values either way), fp16 with a gradient scaler (sharded and whole gradients unscaled
     alike) and clipping by value: equal weights, loss and scale. With fsdp, Lightning's fp16 is FSDP2's
@@ -381,7 +381,7 @@ def test_checkpoints_equal_ddp_and_resume_at_other_replica_counts(ddp_job: Job, 
     - the sharded one on 2 replicas x 1 stage (``pipeline_parallel_size=1``, a different P), against DDP on 2
       processes resuming from the checkpoint DDP itself saved at the same point (equal to ours, checked above), with
       the same DistributedSampler;
-    - the sharded one written with ``data_parallel="fsdp"`` likewise, with fsdp again (the blocks sharded over the
+    - the sharded one written with ``data_parallel_mode="fsdp"`` likewise, with fsdp again (the blocks sharded over the
       2 replicas of the one stage).
     """
     ddp_ranks, _ = ddp_job.get(), pipelined_job.get()
@@ -404,11 +404,11 @@ def test_checkpoints_equal_ddp_and_resume_at_other_replica_counts(ddp_job: Job, 
     resume = [{"scenario": "train", "kwargs": {"model": "mlp_sgd", "max_steps": -1, "max_epochs": EPOCHS + 1,
                                                "schedule": "1f1b", "microbatches": 2, "ckpt_path": str(full_path)}},
               {"scenario": "train", "kwargs": {"model": "mlp_sgd", "max_steps": -1, "max_epochs": EPOCHS + 1,
-                                               "pipeline_parallel_size": 1, "checkpoint_format": "sharded",
+                                               "pipeline_parallel_size": 1, "state_dict_type": "sharded",
                                                "ckpt_path": str(sharded)}},
               {"scenario": "train", "kwargs": {"model": "mlp_sgd", "max_steps": -1, "max_epochs": EPOCHS + 1,
-                                               "pipeline_parallel_size": 1, "data_parallel": "fsdp",
-                                               "checkpoint_format": "sharded",
+                                               "pipeline_parallel_size": 1, "data_parallel_mode": "fsdp",
+                                               "state_dict_type": "sharded",
                                                "ckpt_path": str(checkpoints / "fsdp_sharded")}}]
     ranks = launch(2, resume, timeout=180)
 

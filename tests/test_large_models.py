@@ -134,13 +134,14 @@ def test_a_module_off_the_meta_device_is_left_alone() -> None:
 @pytest.mark.timeout(300)
 def test_each_rank_takes_memory_for_its_part_only_and_failures_reach_every_rank() -> None:
     """`models.Wide` (256 MiB of blocks) built on the meta device, on 2 stages, then on 1 stage with its blocks sharded
-    over 2 replicas (``data_parallel="fsdp"``, materialized block by block): each rank's peak memory grows by about
+    over 2 replicas (``data_parallel_mode="fsdp"``, materialized block by block): each rank's peak memory grows by about
     its half before training (the whole model before this issue), and it holds half the blocks. A weight nothing
     initializes on the second stage only, FSDP applied over a mesh of the module's own, an optimizer built from a
     parameter list kept in ``__init__`` (meta tensors after a meta build), and two blocks sharing a weight under FSDP2
     fail every rank with our error, before any rank waits on a collective."""
     ranks = launch(2, [{"scenario": "meta_memory", "kwargs": {}},
-                       {"scenario": "meta_memory", "kwargs": {"pipeline_parallel_size": 1, "data_parallel": "fsdp"}},
+                       {"scenario": "meta_memory", "kwargs": {"pipeline_parallel_size": 1,
+                                                              "data_parallel_mode": "fsdp"}},
                        {"scenario": "expect_error", "kwargs": {"model": "gain_on_last_stage",
                                                                "trainer": {"meta": True}}},
                        {"scenario": "expect_error", "kwargs": {"model": "shards_over_its_own_mesh",
@@ -149,7 +150,7 @@ def test_each_rank_takes_memory_for_its_part_only_and_failures_reach_every_rank(
                                                                "trainer": {"meta": True}}},
                        {"scenario": "expect_error", "kwargs": {"model": "blocks_share_a_weight",
                                                                "pipeline_parallel_size": 1,
-                                                               "data_parallel": "fsdp"}}], timeout=240)
+                                                               "data_parallel_mode": "fsdp"}}], timeout=240)
     for rank, result in enumerate(ranks):
         assert not result.errors, result.errors
         *memory, uninitialized, own_sharding, stale_list, shared = result.results

@@ -89,5 +89,5 @@ def test_model_summary_counts_the_whole_model() -> None:
     got, messages = ranks[0].results[0]
     assert len(want) == 1 and got == want, (got, want)
     assert ranks[1].results[0][0] == [], "the summary is printed on global rank 0 only"
-    per_stage = [message for message in messages if message.startswith("lightning_pp: parameters per stage")]
+    per_stage = [message for message in messages if message.startswith("parameters per stage")]
     assert len(per_stage) == 1 and "stage 0: " in per_stage[0] and "stage 1: " in per_stage[0], messages

@@ -166,7 +166,7 @@ def test_a_weight_frozen_since_its_forward_still_gets_its_leftover_gradient() ->
 
 @pytest.mark.parametrize(("options", "match"), [
     ({"tensor_parallel_size": 2}, "with tensor_parallel_size > 1"),
-    ({"data_parallel": "fsdp"}, "with data_parallel='fsdp'"),
+    ({"data_parallel_mode": "fsdp"}, "with data_parallel_mode='fsdp'"),
     ({"activation_checkpointing": True}, "with activation_checkpointing"),
 ])
 def test_options_it_cannot_run_are_refused(options: dict[str, object], match: str) -> None:
@@ -297,8 +297,8 @@ def test_checkpoints_drain_and_hold_the_pending_gradient_so_a_resumed_run_goes_o
                    trainer={"validate_before_saving": True}),
             _train("freezing_mlp_sgd", 4, max_steps=-1, max_epochs=2, ckpt_path=after_fit),
             _train("tied_sgd", 2, max_steps=-1, max_epochs=2),
-            _train("tied_sgd", 2, max_steps=-1, max_epochs=1, save_to=sharded, checkpoint_format="sharded"),
-            _train("tied_sgd", 2, max_steps=-1, max_epochs=2, ckpt_path=sharded, checkpoint_format="sharded")]
+            _train("tied_sgd", 2, max_steps=-1, max_epochs=1, save_to=sharded, state_dict_type="sharded"),
+            _train("tied_sgd", 2, max_steps=-1, max_epochs=2, ckpt_path=sharded, state_dict_type="sharded")]
     ranks = launch(2, runs, timeout=300)
     uninterrupted, history = assemble(ranks, 0)
     assert_matches(uninterrupted, history, delayed_reference("mlp_sgd", max_steps=-1, max_epochs=2),

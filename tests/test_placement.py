@@ -120,7 +120,7 @@ class Scaled(nn.Module):
 
 
 def test_shardable_modules_are_those_read_only_in_their_own_forward() -> None:
-    """With ``data_parallel="fsdp"`` (one replica here: the world's agreement is this rank's flags): the head, read
+    """With ``data_parallel_mode="fsdp"`` (one replica here: the world's agreement is this rank's flags): the head, read
     in its own forward, becomes a unit; a scalar weight's module and the scale the LightningModule holds itself stay
     whole."""
     toy = Toy()

@@ -186,8 +186,7 @@ def test_single_device_references_are_sane() -> None:
 def test_gpt2_and_nanogpt_every_schedule(world_size: int) -> None:
     """Hugging Face GPT-2 (blocks in ``model.transformer.h``, an ``nn.ModuleList`` looped with a mask, position ids and
     a cache; head tied to ``wte``) and a nanoGPT module (``transformer.h`` inside an ``nn.ModuleDict``, boolean mask),
-    found automatically, under every schedule; on 2 stages also the container named by ``blocks=`` and by the
-    ``sequential=`` alias, GPT-2 with dropout (default GPT2Config), which must train, not match, and GPT-2 on padded
+    found automatically, under every schedule; on 2 stages also the container named by ``blocks=``, GPT-2 with dropout (default GPT2Config), which must train, not match, and GPT-2 on padded
     sequences (labels -100 on the padding) with ``microbatch_weight`` counting each micro-batch's real tokens; and both
     built on the meta device (``trainer.init_module(empty_init=True)``), each rank materializing its own stage, against
     one device materializing the whole model alike."""
@@ -197,7 +196,7 @@ def test_gpt2_and_nanogpt_every_schedule(world_size: int) -> None:
     if world_size == 2:
         runs += [job("hf_gpt2", blocks="model.transformer.h", schedule="1f1b", microbatches=2),
                  job("nanogpt", blocks="transformer.h", schedule="gpipe", microbatches=4),
-                 job("nanogpt", sequential="transformer.h", schedule="1f1b", microbatches=2),
+                 job("nanogpt", blocks="transformer.h", schedule="1f1b", microbatches=2),
                  job("hf_gpt2_dropout", schedule="1f1b", microbatches=2),
                  job("hf_gpt2_padded", schedule="1f1b", microbatches=4, microbatch_weight="label_tokens"),
                  job("hf_gpt2_meta", schedule="1f1b", microbatches=2),
@@ -217,7 +216,7 @@ def test_inplace_sliced_tuple_and_dict_blocks(world_size: int) -> None:
     ``(hidden, None)`` of which the loop keeps ``[0]``; blocks taking and returning a dict with a ``None`` entry, a
     gate that is ``None`` before the first block and a long counter."""
     inplace = (job("inplace", blocks="features", balance=[3, 5], schedule="1f1b", microbatches=2) if world_size == 2
-               else job("inplace", sequential="features", balance=[1, 2, 2, 3], schedule="gpipe", microbatches=4))
+               else job("inplace", blocks="features", balance=[1, 2, 2, 3], schedule="gpipe", microbatches=4))
     runs = [inplace,
             job("sliced", schedule="1f1b", microbatches=world_size),
             job("tuple_carry", schedule="1f1b", microbatches=world_size),
@@ -425,10 +424,10 @@ def test_a_tensor_from_weights_outside_the_blocks_in_every_block_with_split_back
 @pytest.mark.timeout(300)
 def test_generate_with_the_weights_outside_the_blocks_sharded(tmp_path: Path) -> None:
     """GPT-2's ``generate`` at the end of each validation epoch and in ``predict_step`` on 2 stages x 2 replicas with
-    ``data_parallel="fsdp"``: the embeddings, the final norm and the tied embedding/head sharded, the last stage's
+    ``data_parallel_mode="fsdp"``: the embeddings, the final norm and the tied embedding/head sharded, the last stage's
     embedding and the first stage's head computing shapes only. Each eager pass takes a sharded module's output from a
     rank where it is a unit, so every rank generates what the same run with ``"ddp"`` generates."""
-    runs = [job("hf_gpt2_generate", schedule="1f1b", microbatches=4, pipeline_parallel_size=2, data_parallel=mode,
+    runs = [job("hf_gpt2_generate", schedule="1f1b", microbatches=4, pipeline_parallel_size=2, data_parallel_mode=mode,
                 dirpath=str(tmp_path / mode)) for mode in ("ddp", "fsdp")]
     ranks = launch(4, runs, timeout=240)
     whole, sharded = stage_results(ranks, 0), stage_results(ranks, 1)
@@ -446,7 +445,7 @@ def test_generate_with_the_weights_outside_the_blocks_sharded(tmp_path: Path) ->
 @pytest.mark.timeout(420)
 def test_gpt2_blocks_sharded_with_fsdp2_train_as_ddp() -> None:
     """Hugging Face GPT-2 (Conv1D projections, head tied to the embedding, SGD) on 2 stages x 2 replicas with its
-    blocks and the weights outside them sharded over the replicas (``data_parallel="fsdp"``): the embeddings on the
+    blocks and the weights outside them sharded over the replicas (``data_parallel_mode="fsdp"``): the embeddings on the
     first stage, the final norm on the last, and the tied embedding/head on both (each end computes with it in a
     module's forward), against Lightning's DDP on 2 processes: the same losses, applied gradients (gathered whole) and
     weights."""
@@ -464,4 +463,4 @@ def test_gpt2_blocks_sharded_with_fsdp2_train_as_ddp() -> None:
                 assert numel <= (whole[name] + 1) // 2, (label, name, numel, whole[name])
 
     check_all(4, [job("hf_gpt2_sgd", schedule="1f1b", microbatches=2, pipeline_parallel_size=2,
-                      data_parallel="fsdp")], [check], timeout=200)
+                      data_parallel_mode="fsdp")], [check], timeout=200)

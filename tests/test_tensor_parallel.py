@@ -81,12 +81,12 @@ def job8(checkpoints: Path) -> list[RankResult]:
     built normally and (TensorParallelMLP) on the meta device; a meta build of the plan alone with fsdp, not trained
     (its initial values); sequence parallelism with ddp, every replica loading the same batches."""
     runs = [pipelined(trainer=ACCUMULATED, model="tp_mlp_plan_only"),
-            pipelined(trainer=ACCUMULATED, model="tp_mlp_plan_only", data_parallel="fsdp",
-                      save_to=str(checkpoints / "sharded"), checkpoint_format="sharded"),
+            pipelined(trainer=ACCUMULATED, model="tp_mlp_plan_only", data_parallel_mode="fsdp",
+                      save_to=str(checkpoints / "sharded"), state_dict_type="sharded"),
             pipelined(trainer=ACCUMULATED),
             pipelined(trainer=ACCUMULATED, model="tp_fully_shards_its_model"),
             pipelined(trainer={"meta": True, **ACCUMULATED}),
-            pipelined(trainer={"meta": True}, model="tp_mlp_plan_only", data_parallel="fsdp", max_steps=0),
+            pipelined(trainer={"meta": True}, model="tp_mlp_plan_only", data_parallel_mode="fsdp", max_steps=0),
             pipelined(trainer=OWN_LOADER, model="sp_mlp")]
     return launch(STAGES * REPLICAS * TP, runs, timeout=300)
 

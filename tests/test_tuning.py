@@ -126,7 +126,7 @@ def test_auto_chosen_configurations_train_as_one_device() -> None:
     assert not any("schedule='auto' chose" in line for line in ranks[1].output.splitlines())
 
 
-def test_auto_in_one_process_chooses_then_keeps_its_choice(capsys: pytest.CaptureFixture[str]) -> None:
+def test_auto_in_one_process_chooses_then_keeps_its_choice(caplog: pytest.LogCaptureFixture) -> None:
     """One process holding every stage (several stages per rank are candidates): fit measures, prints and runs its
     choice, which the strategy keeps for a later run (its options are concrete from then on)."""
     import lightning as L
@@ -139,13 +139,13 @@ def test_auto_in_one_process_chooses_then_keeps_its_choice(capsys: pytest.Captur
     module = Lifecycle()
     trainer.fit(module, make_data("lifecycle"))
     choice = strategy.telemetry.auto_choice
-    assert choice is not None and "schedule='auto' chose" in capsys.readouterr().out
+    assert choice is not None and "schedule='auto' chose" in caplog.text
     assert (strategy.options.schedule, strategy.options.microbatches) == (choice.schedule, choice.microbatches)
     trainer.validate(module, make_data("lifecycle", seed=3), verbose=False)
     assert strategy.options.schedule == choice.schedule
 
 
-def test_auto_outside_fit_runs_the_default_keeping_what_is_fixed(capsys: pytest.CaptureFixture[str]) -> None:
+def test_auto_outside_fit_runs_the_default_keeping_what_is_fixed(caplog: pytest.LogCaptureFixture) -> None:
     import lightning as L
     from models import Lifecycle, make_data
 
@@ -155,4 +155,4 @@ def test_auto_outside_fit_runs_the_default_keeping_what_is_fixed(capsys: pytest.
     trainer.validate(Lifecycle(), make_data("lifecycle"), verbose=False)
     assert strategy.options.schedule == "interleaved_1f1b" and strategy.telemetry.auto_choice is None
     assert "schedule='auto' runs the default configuration (interleaved_1f1b): trainer.validate does not train" in (
-        capsys.readouterr().out)
+        caplog.text)

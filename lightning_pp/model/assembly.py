@@ -48,7 +48,7 @@ class _EarlierRun:
 
     partition: Partition  # its split, kept whatever balance a later run asks for
     placement: WeightPlacement | None = None  # where it left the weights outside the blocks (some ranks only)
-    sharding: BlockSharding | None = None  # its blocks sharded over the replicas (data_parallel="fsdp")
+    sharding: BlockSharding | None = None  # its blocks sharded over the replicas (data_parallel_mode="fsdp")
 
 
 _EARLIER_RUNS: weakref.WeakKeyDictionary[nn.Module, _EarlierRun] = weakref.WeakKeyDictionary()
@@ -64,7 +64,7 @@ class StageAssembly:
     # where the weights outside the blocks are kept: this run's placement, or an earlier run's (None: on every rank)
     placement: WeightPlacement | None
     places: bool  # whether this run places the weights outside the blocks where they are used
-    sharding: BlockSharding | None = None  # the blocks sharded over the stage's replicas (data_parallel="fsdp")
+    sharding: BlockSharding | None = None  # the blocks sharded over the stage's replicas (data_parallel_mode="fsdp")
     # the tensors a meta-device build made here, to be checked once a checkpoint had its chance to set them
     materialized: list[str] = field(default_factory=list)
     # the modules outside the blocks to shard over the replicas once the placing step's gradients are averaged
@@ -134,7 +134,7 @@ def balance_for(options: PipelineOptions, module: Any, trainer: Any, num_ranks: 
     num_stages = num_ranks * (options.stages_per_rank or 1)
     if options.balance_by not in ("params", "time") or num_stages == 1 or is_assembled(module):
         return options.balance_list
-    return resolve_balance(options.balance_by, module, options.blocks_name, num_stages, trainer, device=device,
+    return resolve_balance(options.balance_by, module, options.blocks, num_stages, trainer, device=device,
                            microbatches=microbatches, precision=precision, recompute_every=options.recompute_every,
                            global_rank=rank, world_size=layout.world_size, collective=collective,
                            object_group=object_group, stages_per_rank=options.stages_per_rank or 1)
@@ -162,7 +162,7 @@ def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout
     if earlier is None:
         earlier = _EARLIER_RUNS[module] = _EarlierRun(partition)
         if rank == 0:  # which container was found (or named), and how it was split
-            _print_split(partition)
+            _log_split(partition)
     if recompute_every:
         partition.view.checkpoint_blocks(recompute_every)
     sharding = sharding if earlier.sharding is None else None  # a later run keeps the earlier run's shards
@@ -171,7 +171,7 @@ def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout
     groups = create_groups(layout, rank, new_group, p2p_groups=2 if schedule.stages_per_rank == 1 else 4,
                            last_position=schedule.stage_to_rank[-1])
     if rank == 0 and layout.lanes > 1:
-        print(f"lightning_pp: {layout}")
+        log.info(str(layout))
     made: list[str] = []
     if sharding is not None:
         made += _shard(module, partition, sharding, groups, device)
@@ -209,9 +209,9 @@ def _gradients(shared: list[nn.Parameter], placement: WeightPlacement | None, gr
     return grads
 
 
-def _print_split(partition: Partition) -> None:
+def _log_split(partition: Partition) -> None:
     view = partition.view
-    print(f"lightning_pp: `{view.container_name}` ({view.ranges[-1].stop} blocks) split into {view.num_stages} stages "
+    log.info(f"`{view.container_name}` ({view.ranges[-1].stop} blocks) split into {view.num_stages} stages "
           f"of {[len(r) for r in view.ranges]} blocks")
 
 
@@ -285,8 +285,8 @@ def check_initialized(assembly: StageAssembly, module: nn.Module, layout: Pipeli
 def place_outside_weights(assembly: StageAssembly, optimizers: Sequence[Any], device: torch.device,
                           new_group: Callable[[list[int]], Any]) -> None:
     """After an observed step: keep each weight outside the blocks only where it is used, give the weights shared by
-    some stages (a tied embedding and head) a group to sum their gradients in, and (``data_parallel="fsdp"``) choose
-    those to shard over the replicas (:func:`shard_outside_weights`)."""
+    some stages (a tied embedding and head) a group to sum their gradients in, and (``data_parallel_mode="fsdp"``)
+    choose those to shard over the replicas (:func:`shard_outside_weights`)."""
     placement, grads, groups = assembly.placement, assembly.grads, assembly.groups
     assert placement is not None
     layout = groups.layout
@@ -308,7 +308,7 @@ def place_outside_weights(assembly: StageAssembly, optimizers: Sequence[Any], de
 
     lines = placement.decide(any_rank, every_rank, layout.stage_of, [getattr(o, "_optimizer", o) for o in optimizers])
     sharding = assembly.sharding
-    if sharding is not None and sharding.shard_blocks:  # data_parallel="fsdp": what can be, sharded like the blocks
+    if sharding is not None and sharding.shard_blocks:  # data_parallel_mode="fsdp": what can be, sharded like blocks
         assembly.to_shard = units, bare = placement.shardable(every_rank_agrees)
         lines[0] += f"; {len(units)} module(s) and {len(bare)} unused weight(s) here sharded over the replicas (FSDP2)"
     log.info(lines[0])

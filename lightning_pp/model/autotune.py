@@ -12,6 +12,7 @@ even split), with a log line.
 from __future__ import annotations
 
 import dataclasses
+import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -33,6 +34,8 @@ from lightning_pp.topology import PipelineLayout
 from lightning_pp.tuning import MAX_MICROBATCHES, Candidate, MeasuredCosts, search
 
 __all__ = ["choose_configuration"]
+
+log = logging.getLogger(__name__)
 
 
 # the runtime's own time per action (its bookkeeping, autograd's and the transfers' calls) where it is not measured
@@ -69,7 +72,7 @@ def choose_configuration(options: PipelineOptions, module: pl.LightningModule, t
         several = (options.stages_per_rank or 1) > 1 or len(options.balance_list or []) > layout.num_stages
         schedule = "interleaved_1f1b" if several else "1f1b"  # what the user fixed still runs
         if rank == 0:
-            print(f"lightning_pp: schedule='auto' runs the default configuration ({schedule}): {chosen}")
+            log.info(f"schedule='auto' runs the default configuration ({schedule}): {chosen}")
         return dataclasses.replace(options, schedule=schedule, max_memory=None), None
     for logger in trainer.loggers:  # loggers write on global rank 0 only
         logger.log_hyperparams({"pipeline_auto/schedule": chosen.schedule, "pipeline_auto/microbatches":
@@ -87,7 +90,7 @@ def choose_configuration(options: PipelineOptions, module: pl.LightningModule, t
 def _search_on_rank_zero(options: PipelineOptions, module: pl.LightningModule, trainer: pl.Trainer,
                          layout: PipelineLayout, device: torch.device, precision: Precision,
                          link: tuple[float, float]) -> Candidate | str:
-    name, _ = find_blocks(module, options.blocks_name)
+    name, _ = find_blocks(module, options.blocks)
     ranks = layout.num_stages
 
     def measure(probe: pl.LightningModule, batch: Any) -> tuple[MeasuredCosts, int]:
@@ -123,11 +126,11 @@ def _search_on_rank_zero(options: PipelineOptions, module: pl.LightningModule, t
                         microbatches=options.microbatches,
                         stages_per_rank=options.stages_per_rank, balance=options.balance_list,
                         recompute=False if options.recompute_every else None)  # the probe's costs recompute then
-    lines = [f"lightning_pp: schedule='auto' measured the blocks of `{name}` on a batch of {size} "
+    lines = [f"schedule='auto' measured the blocks of `{name}` on a batch of {size} "
              f"({time.perf_counter() - started:.1f} s); fastest of {len(candidates)} predicted:"]
     lines += [f"  {index + 1}. {candidate.describe()}" for index, candidate in enumerate(candidates[:_SHOWN])]
-    lines.append(f"lightning_pp: schedule='auto' chose {candidates[0].describe()}")
-    print("\n".join(lines))
+    lines.append(f"schedule='auto' chose {candidates[0].describe()}")
+    log.info("\n".join(lines))
     return candidates[0]
 
 

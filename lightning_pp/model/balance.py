@@ -595,6 +595,6 @@ def _report_time_split(measured: BlockCosts, values: list[float], split: list[in
              f"[{_ms(measured.backward)}]; before the blocks {_ms(measured.before)} ms, after them "
              f"{_ms(measured.after)} ms (forward, backward); split {split}, stage costs "
              f"[{_ms(per_stage)}] ms per micro-batch")
-    print(f"lightning_pp: balance='time' split {split} (stage costs [{_ms(per_stage)}] ms per "
+    log.info(f"balance='time' split {split} (stage costs [{_ms(per_stage)}] ms per "
           f"micro-batch; per block [{_ms(values[1:-1])}] ms, before the blocks {1e3 * values[0]:.2f} ms, "
           f"after {1e3 * values[-1]:.2f} ms)")

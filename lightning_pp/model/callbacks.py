@@ -74,15 +74,15 @@ def check_callbacks(trainer: Any, module: nn.Module, *, options: Any, microbatch
 def _check_averaging(callback: Any, options: Any) -> None:
     """What a stage's averaged model does not cover: sharded weights and checkpoints, and delayed updates."""
     unsupported = [what for what, bad in (
-        ("checkpoint_format='sharded'", options.checkpoint_format == "sharded"),
-        ("data_parallel='fsdp'", options.data_parallel == "fsdp"),
+        ("state_dict_type='sharded'", options.state_dict_type == "sharded"),
+        ("data_parallel_mode='fsdp'", options.data_parallel_mode == "fsdp"),
         (f"tensor_parallel_size={options.tensor_parallel_size}", options.tensor_parallel_size > 1),
         ("schedule='pipedream_2bw'", options.schedule == "pipedream_2bw")) if bad]
     if unsupported:
         raise PipelineConfigError(
             f"{type(callback).__name__} with PipelineParallelStrategy({', '.join(unsupported)}) is not supported: "
             f"each stage averages its own weights whole and a checkpoint gathers the averaged model into one file. "
-            f"Use checkpoint_format='full', data_parallel='ddp', tensor_parallel_size=1 and a synchronous schedule "
+            f"Use state_dict_type='full', data_parallel_mode='ddp', tensor_parallel_size=1 and a synchronous schedule "
             f"(schedule='1f1b'), or drop the callback.")
 
 

@@ -18,7 +18,7 @@ A weight is then held by the ranks that use or keep it: its gradient is summed a
 replicas), and its optimizer state exists only there. Weights no rank used in training (an evaluation-only head) stay
 everywhere. ``restore`` puts every weight back on every rank, from a rank that held it, before a later run.
 
-With ``data_parallel="fsdp"``, :meth:`WeightPlacement.shardable` then picks the placed weights that can be sharded
+With ``data_parallel_mode="fsdp"``, :meth:`WeightPlacement.shardable` then picks the placed weights that can be sharded
 over the replicas like the blocks (read only inside one module's forward, on every rank holding them); those stay
 placed and sharded for later runs (``restore`` leaves them), as the blocks keep their shards.
 """

@@ -101,7 +101,7 @@ class StageSession:
         if pipelined:  # first: the one part that can fail (then the strategy releases the assembly)
             stage_to_rank = schedules(microbatches, False).stage_to_rank
             p2p = connect_stages(groups, stage_to_rank, device, options.transfer_timeout, lambda ranks: (
-                dist.new_group(ranks, backend="gloo", timeout=options.group_timeout)))
+                dist.new_group(ranks, backend="gloo", timeout=options.timeout)))
         if pipelined:
             self._connect_eager(options, stage_to_rank, p2p)
         self.recorder = LogRecorder()
@@ -278,7 +278,7 @@ class StageSession:
             held = dict(self.module.named_parameters())
             delayed.restored = {name: value for name, value in saved.items() if name in held}
         elif saved and self.module.trainer.state.fn == TrainerFn.FITTING and self.rank == 0:
-            log.warning("lightning_pp: the checkpoint holds schedule='pipedream_2bw''s gradient of its last batch, "
+            log.warning("the checkpoint holds schedule='pipedream_2bw''s gradient of its last batch, "
                         "not applied yet; this run's schedule applies every batch's gradient in its own step, so that "
                         "one is dropped (the run resumes as pipedream_2bw would without it).")
 
