@@ -52,9 +52,15 @@ def test_the_readmes_module_is_the_docs_module() -> None:
 
 
 def test_the_docs_use_the_current_names() -> None:
+    """No page shows a renamed or removed argument, except as the error it now raises (the example's next line)."""
     pages = [README, *(ROOT / "docs").rglob("*.md")]
-    stale = [f"{page.relative_to(ROOT)}: {found.group()}" for page in pages if page.name != "changelog.md"
-             for found in OLD_NAMES.finditer(page.read_text())]
+    stale = []
+    for page in pages:
+        lines = page.read_text().splitlines() if page.name != "changelog.md" else []
+        for number, line in enumerate(lines):
+            shown_refused = "PipelineConfigError" in line or (number > 0 and "PipelineConfigError" in lines[number - 1])
+            stale += [f"{page.relative_to(ROOT)}:{number + 1}: {found.group()}" for found in OLD_NAMES.finditer(line)
+                      if not shown_refused]
     assert not stale, stale
 
 
