@@ -94,10 +94,11 @@ def main() -> None:
     assert batches is not None
     generated = torch.cat(batches)  # type: ignore[arg-type]
     if trainer.is_global_zero:  # every rank generated the same tokens; one prints them
+        right = 0
         for prompt, new, want in zip(prompts, generated, expected[:, args.prompt_length:], strict=True):
-            mark = "ok" if torch.equal(new, want) else f"expected {want.tolist()}"
-            print(f"prompt {prompt.tolist()} -> {new.tolist()} {mark}")
-        right = sum(torch.equal(new, want) for new, want in zip(generated, expected[:, args.prompt_length:]))
+            as_expected = torch.equal(new, want)
+            right += as_expected
+            print(f"prompt {prompt.tolist()} -> {new.tolist()} {'ok' if as_expected else f'expected {want.tolist()}'}")
         print(f"generated {len(generated)} continuations of {args.new_tokens} tokens, {right} as expected")
 
 
