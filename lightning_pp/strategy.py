@@ -72,9 +72,8 @@ class PipelineParallelStrategy(ReplicaCollectives, PipelineDataHooks, LoopHooks)
     The container (an ``nn.Sequential``, ``nn.ModuleList`` or ``nn.ModuleDict`` of transformer layers, MLP blocks) is
     found automatically or named with ``blocks``; each stage keeps a contiguous run of blocks, and the weights outside
     them (embeddings, heads, norms) are kept where they are used (``outside_weights``), tied ones included. Each batch
-    is split into ``microbatches`` that the chosen schedule runs through the stages; every stage runs the user's own
-    step, with the blocks of other stages as stand-ins, and the last stage goes on to the loss. Gradients, the loss,
-    logged values and evaluation results equal single-device training (see the README's "How it works").
+    is split into ``microbatches`` that the schedule runs through the stages; every stage runs the user's own step,
+    with other stages' blocks as stand-ins, and the last stage goes on to the loss: results equal one device's.
 
     With ``pipeline_parallel_size=P`` and ``tensor_parallel_size=T`` the world (``devices x num_nodes``) holds
     ``world / (P x T)`` data-parallel replicas of the pipeline, each loading its own shard of the data; every stage's
