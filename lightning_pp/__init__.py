@@ -11,10 +11,11 @@ from lightning_pp.errors import (
     PipelineScheduleError,
     PipelineTimeoutError,
 )
-from lightning_pp.monitor import PipelineMonitor
+from lightning_pp.monitor.callback import PipelineMonitor
 from lightning_pp.options import PipelineOptions
+from lightning_pp.parallel.topology import PipelineLayout
+from lightning_pp.runtime.microbatch import whole
 from lightning_pp.strategy import PipelineParallelStrategy
-from lightning_pp.topology import PipelineLayout
 
 __all__ = [
     "PipelineBatchError",
@@ -28,6 +29,7 @@ __all__ = [
     "PipelineScheduleError",
     "PipelineTimeoutError",
     "__version__",
+    "whole",
 ]
 
 __version__ = "0.1.0"

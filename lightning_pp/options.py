@@ -19,9 +19,9 @@ from typing import Any, Literal, get_args
 import torch
 from torch.distributed.constants import default_pg_timeout
 
-from lightning_pp.actions import Schedule
 from lightning_pp.errors import PipelineConfigError
-from lightning_pp.schedules import GENERATORS, load_csv
+from lightning_pp.schedule import GENERATORS, load_csv
+from lightning_pp.schedule.actions import Schedule
 
 __all__ = ["BALANCE_MODES", "PipelineOptions", "ScheduleName", "check", "documented_arguments", "schedule_named"]
 
@@ -86,13 +86,14 @@ class PipelineOptions:
     V), ``"dualpipev"`` (DeepSeek's DualPipe in its V form: the V of ``"zbv"``, a forward of one stage paired with a
     backward of the other; at least 2 micro-batches per rank), ``"pipedream_2bw"`` (asynchronous, opt-in:
     PipeDream-2BW's 1F1B that never drains between batches, each optimizer step applying the previous batch's
-    gradient, so training is not one device's; the semantics in :mod:`lightning_pp.cross_batch`), the path of a
+    gradient, so training is not one device's; the semantics in :mod:`lightning_pp.pipedream.stream`), the path of a
     ``.csv`` file with one row of compute actions per rank in torch.distributed.pipelining's format (it fixes the
     micro-batch count), or ``"auto"``: at the start of ``fit``, global rank 0 times the blocks on the first batch and
     the simulator picks the schedule, ``microbatches``, ``stages_per_rank``, ``balance`` and activation checkpointing
-    it predicts fastest within ``max_memory`` (what the user passes of those is kept; :mod:`lightning_pp.tuning`).
-    Names match in any case, with or without underscores, and torch.distributed.pipelining's names are accepted too:
-    ``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"``, ``"ZBVZeroBubble"`` and ``"DualPipeV"``."""
+    it predicts fastest within ``max_memory`` (what the user passes of those is kept;
+    :mod:`lightning_pp.tuning.search`). Names match in any case, with or without underscores, and
+    torch.distributed.pipelining's names are accepted too: ``"GPipe"``, ``"1F1B"``, ``"Interleaved1F1B"``,
+    ``"ZBVZeroBubble"`` and ``"DualPipeV"``."""
     pipeline_parallel_size: int | None = None
     """Ranks per pipeline; the world size must be a multiple of it. ``None``: the world size (one pipeline, no data
     parallelism)."""

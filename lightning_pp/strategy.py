@@ -27,22 +27,17 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_pp import _compat
-from lightning_pp._allocator import keep_freed_cpu_memory
-from lightning_pp._ending import AgreedSigterm, listen_first, stop_listening
-from lightning_pp._failures import FailureSignal, naming_failures
-from lightning_pp.checkpoint import PENDING_GRADIENT_KEY, StageCheckpoints
-from lightning_pp.collectives import ReplicaCollectives
-from lightning_pp.data import PipelineDataHooks
-from lightning_pp.grads import enabled_scaler
-from lightning_pp.loops import LoopHooks
+from lightning_pp.checkpoint.state import PENDING_GRADIENT_KEY, StageCheckpoints
+from lightning_pp.hooks.collectives import ReplicaCollectives
+from lightning_pp.hooks.data import PipelineDataHooks
+from lightning_pp.hooks.loops import LoopHooks
 from lightning_pp.model.assembly import (
     assemble_stage,
-    balance_for,
     refuse_unsupported,
     setup_optimizers_everywhere,
 )
-from lightning_pp.model.autotune import choose_configuration
 from lightning_pp.model.session import StageSession, release
+from lightning_pp.monitor.telemetry import PipelineTelemetry
 from lightning_pp.options import (
     Backend,
     Balance,
@@ -53,14 +48,19 @@ from lightning_pp.options import (
     StateDictType,
     documented_arguments,
 )
-from lightning_pp.schedules import StepSchedules
-from lightning_pp.sharding import BlockSharding, is_sharded_module
-from lightning_pp.telemetry import PipelineTelemetry
-from lightning_pp.topology import (
+from lightning_pp.parallel.ending import AgreedSigterm, listen_first, stop_listening
+from lightning_pp.parallel.failures import FailureSignal, naming_failures
+from lightning_pp.parallel.grads import enabled_scaler
+from lightning_pp.parallel.sharding import BlockSharding, is_sharded_module
+from lightning_pp.parallel.topology import (
     PipelineLayout,
     create_device_mesh,
     start_process_group,
 )
+from lightning_pp.runtime.allocator import keep_freed_cpu_memory
+from lightning_pp.schedule import StepSchedules
+from lightning_pp.tuning.autotune import choose_configuration
+from lightning_pp.tuning.balance import balance_for
 
 __all__ = ["PipelineParallelStrategy"]
 
@@ -311,7 +311,7 @@ class PipelineParallelStrategy(ReplicaCollectives, PipelineDataHooks, LoopHooks)
     @override
     def on_exception(self, exception: BaseException) -> None:
         """Make this rank's failure end the whole job: tell the other ranks, take down the launched ones (first among
-        the callbacks' on_exception, see lightning_pp._ending; again here, a no-op)."""
+        the callbacks' on_exception, see lightning_pp.parallel.ending; again here, a no-op)."""
         if isinstance(exception, AgreedSigterm):
             return  # every rank stops at this step: nothing failed
         if self._failures is not None:

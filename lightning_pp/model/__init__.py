@@ -1,1 +1,5 @@
-"""The model adapter: which blocks a stage holds, the stage's view of the container, and the step driver."""
+"""The LightningModule adapter: which blocks a stage holds, the stage's view of the container, the step driver over
+micro-batches, the weights outside the blocks, and one Trainer run on the assembled stage (``session``).
+
+May import: ``pipedream``, ``runtime``, ``monitor``, ``checkpoint``, ``parallel``, ``schedule``, ``options``,
+``errors``, ``_compat``."""

@@ -8,7 +8,6 @@ import contextlib
 import logging
 import weakref
 from collections.abc import Callable, Sequence
-from contextlib import AbstractContextManager
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,26 +15,30 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_pp.actions import Schedule
 from lightning_pp.errors import PipelineConfigError
-from lightning_pp.grads import PipelineGradients, broadcast_tensors
-from lightning_pp.model.balance import resolve_balance
 from lightning_pp.model.callbacks import check_callbacks
 from lightning_pp.model.materialize import has_meta_tensors, left_uninitialized, materialize
 from lightning_pp.model.placement import WeightPlacement
 from lightning_pp.model.sides import not_ours
 from lightning_pp.model.split import Partition, split_module
-from lightning_pp.options import PipelineOptions
-from lightning_pp.sharding import (
+from lightning_pp.parallel.grads import PipelineGradients, broadcast_tensors
+from lightning_pp.parallel.sharding import (
     BlockSharding,
     check_user_sharding,
     local,
     sharded_over_replicas,
     shared_block_weights,
 )
-from lightning_pp.topology import PipelineLayout, StageGroups, create_groups, create_sharing_groups, gather_reports
+from lightning_pp.parallel.topology import (
+    PipelineLayout,
+    StageGroups,
+    create_groups,
+    create_sharing_groups,
+    gather_reports,
+)
+from lightning_pp.schedule.actions import Schedule
 
-__all__ = ["StageAssembly", "assemble_stage", "balance_for", "check_initialized", "is_assembled",
+__all__ = ["StageAssembly", "assemble_stage", "check_initialized", "is_assembled",
            "place_outside_weights", "placement_of", "refuse_manual_optimization", "refuse_unsupported",
            "set_aside_example_input", "setup_optimizers_everywhere", "shard_outside_weights"]
 
@@ -89,8 +92,8 @@ def placement_of(module: nn.Module) -> WeightPlacement | None:
 
 def refuse_unsupported(module: Any, fitting: bool, tensor_parallel_size: int) -> None:
     """Before any collective: sharding the module applied itself that the pipeline cannot run, or
-    ``tensor_parallel_size`` without a plan (see :func:`~lightning_pp.sharding.check_user_sharding`; before our first
-    run on it), (fit) manual optimization, and the callbacks a pipeline cannot run as one device would (see
+    ``tensor_parallel_size`` without a plan (see :func:`~lightning_pp.parallel.sharding.check_user_sharding`; before our
+    first run on it), (fit) manual optimization, and the callbacks a pipeline cannot run as one device would (see
     :func:`~lightning_pp.model.callbacks.check_callbacks`, which also warns about norms with batch statistics), are
     refused."""
     strategy = module.trainer.strategy
@@ -123,21 +126,6 @@ def set_aside_example_input(module: Any, rank: int) -> Any:
             log.info("example_input_array is set aside until training starts: the model summary is shown without "
                      "input and output sizes (a pipeline cannot run the whole model outside its steps).")
     return example
-
-
-def balance_for(options: PipelineOptions, module: Any, trainer: Any, num_ranks: int, microbatches: int,
-                device: torch.device, precision: Any, layout: PipelineLayout, rank: int,
-                collective: Callable[[str], AbstractContextManager[None]], object_group: Any) -> list[int] | None:
-    """Blocks per stage for the split: the user's list, ``None`` for an even split, or what ``balance="params"`` /
-    ``"time"`` give (alike on every rank: ``"time"`` measures on global rank 0 and broadcasts). Nothing is measured
-    for a module an earlier run split (that split is kept) or for a single stage."""
-    num_stages = num_ranks * (options.stages_per_rank or 1)
-    if options.balance_by not in ("params", "time") or num_stages == 1 or is_assembled(module):
-        return options.balance_list
-    return resolve_balance(options.balance_by, module, options.blocks, num_stages, trainer, device=device,
-                           microbatches=microbatches, precision=precision, recompute_every=options.recompute_every,
-                           global_rank=rank, world_size=layout.world_size, collective=collective,
-                           object_group=object_group, stages_per_rank=options.stages_per_rank or 1)
 
 
 def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout, rank: int, *, blocks: str | None,

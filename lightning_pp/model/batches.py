@@ -33,7 +33,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from torch.utils.data import DataLoader, DistributedSampler
 
 from lightning_pp.errors import PipelineBatchError, PipelineConfigError
-from lightning_pp.microbatch import _children, _Whole, batch_size, per_sample
+from lightning_pp.runtime.microbatch import _children, _Whole, batch_size, per_sample
 
 __all__ = ["BatchGuard", "fingerprint", "refuse_wrong_sampler"]
 
@@ -272,7 +272,8 @@ class BatchGuard:
 
     def _refuse_changing_splits(self, step_name: str, batch: Any) -> None:
         """A list or tuple that was split as per-sample values in one batch and kept whole in another (its length
-        matched the batch size only sometimes) is refused: it is one or the other (see :mod:`lightning_pp.microbatch`).
+        matched the batch size only sometimes) is refused: it is one or the other (see
+        :mod:`lightning_pp.runtime.microbatch`).
         """
         try:
             size = batch_size(batch)
@@ -288,10 +289,10 @@ class BatchGuard:
                 f"batch{path} is a {type(value).__name__} of {len(value)} items in a batch of {size} samples, so it "
                 f"is {'split into micro-batches' if split else 'kept whole in every micro-batch'}; an earlier batch "
                 f"of {then} samples had {length} items there, which was {'split' if was else 'kept whole'}. The rule "
-                f"(lightning_pp.microbatch): a list or tuple without tensors that has as many items as the batch has "
-                f"samples holds one item per sample and is split; any other is shared by every micro-batch. If it "
-                f"holds values shared by the whole batch, mark it with lightning_pp.microbatch.whole(...); if it "
-                f"holds one value per sample, give it one item per sample in every batch.")
+                f"(lightning_pp.whole's docstring): a list or tuple without tensors that has as many items as the "
+                f"batch has samples holds one item per sample and is split; any other is shared by every micro-batch. "
+                f"If it holds values shared by the whole batch, mark it with lightning_pp.whole(...); if it holds one "
+                f"value per sample, give it one item per sample in every batch.")
 
 
 def _sequences(value: Any, size: int, path: str) -> Iterator[tuple[str, Any]]:

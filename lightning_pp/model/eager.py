@@ -8,8 +8,8 @@ block returns it on every other rank, so the next stage's first block and the co
 activation everywhere: the model's own loop (a generation loop, its stopping test) continues identically on every
 rank. A stand-in of any other block runs the block's weightless copy on the meta device first, so per-layer state the
 model passes to its layers (a key/value cache whose length is read from layer 0) advances as on one device; it returns
-zeros of the block's output shape, marked as held elsewhere (:mod:`lightning_pp._remote`). A module outside the blocks
-whose weights this rank does not hold gets its output the same way, broadcast from a rank holding it.
+zeros of the block's output shape, marked as held elsewhere (:mod:`lightning_pp.runtime.remote`). A module outside the
+blocks whose weights this rank does not hold gets its output the same way, broadcast from a rank holding it.
 
 A broadcast that does not complete within the transfer timeout (a pass run on some ranks only, as under
 ``if self.global_rank == 0``) raises :class:`~lightning_pp.PipelineCommError` naming the hook and the way out.
@@ -26,9 +26,9 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
-from lightning_pp._tree import flatten, pack, packed_size, unflatten, unpack
 from lightning_pp.errors import PipelineCommError
-from lightning_pp.p2p import described_dtensor, rebuilt_dtensor
+from lightning_pp.runtime.p2p import described_dtensor, rebuilt_dtensor
+from lightning_pp.runtime.wire import flatten, pack, packed_size, unflatten, unpack
 
 __all__ = ["EagerLink"]
 

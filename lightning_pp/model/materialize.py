@@ -59,7 +59,7 @@ def _off_heap(like: Tensor, device: torch.device) -> Tensor:
     """An uninitialized tensor shaped like ``like`` that, on the CPU, lives in its own anonymous memory map: a whole
     tensor made only to be cut (see :func:`materialize`) is returned to the system when freed, instead of leaving a
     hole in the heap between the shards kept before and after it (glibc serves allocations below its mmap threshold,
-    32 MiB here, from the heap: see :mod:`lightning_pp._allocator`)."""
+    32 MiB here, from the heap: see :mod:`lightning_pp.runtime.allocator`)."""
     nbytes = like.numel() * like.element_size()
     if device.type != "cpu" or nbytes == 0:
         return torch.empty_like(like, device=device)

@@ -46,10 +46,10 @@ from lightning.pytorch.core.hooks import ModelHooks
 from torch import Tensor
 
 from lightning_pp._compat import tree_flatten, tree_unflatten
-from lightning_pp._logs import LogRecord, RecordLayout, join_records, split_records
-from lightning_pp._nccl_emulation import emulating_nccl
-from lightning_pp._tree import pack, packed_size, unpack
-from lightning_pp.topology import StageGroups
+from lightning_pp.model.logs import LogRecord, RecordLayout, join_records, split_records
+from lightning_pp.parallel.nccl_emulation import emulating_nccl
+from lightning_pp.parallel.topology import StageGroups
+from lightning_pp.runtime.wire import pack, packed_size, unpack
 
 __all__ = ["ResultExchange", "outputs_read"]
 
@@ -148,7 +148,7 @@ class _Outgoing:
 class ResultExchange:
     """Sends what a step's last stage produced to the pipeline's other stages, point to point on the host (see the
     module's docstring). ``host_group``: the lane's gloo group where ``groups.pipeline`` is not gloo (NCCL) or NCCL is
-    emulated, as :attr:`~lightning_pp.p2p.StageP2P.results_group`."""
+    emulated, as :attr:`~lightning_pp.runtime.p2p.StageP2P.results_group`."""
 
     def __init__(self, groups: StageGroups, host_group: Any = None) -> None:
         # NCCL, and its emulation (which must decide alike): not on the lane's NCCL group, where a broadcast at the

@@ -17,12 +17,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_pp import _compat
-from lightning_pp._ending import SigtermAtStepStart
-from lightning_pp._logs import HookLogs, LogRecorder
-from lightning_pp.actions import Schedule
-from lightning_pp.checkpoint import StageCheckpoints
-from lightning_pp.cross_batch import stream_cuts
-from lightning_pp.grads import add_to_grads
+from lightning_pp.checkpoint.state import StageCheckpoints
 from lightning_pp.model.assembly import (
     StageAssembly,
     check_initialized,
@@ -33,15 +28,20 @@ from lightning_pp.model.assembly import (
 )
 from lightning_pp.model.batches import BatchGuard
 from lightning_pp.model.callbacks import adapt_callbacks
-from lightning_pp.model.delayed import DelayedUpdates, SigtermAtNextStep, refuse_for_delayed_updates
 from lightning_pp.model.eager import EagerLink
+from lightning_pp.model.logs import HookLogs, LogRecorder
 from lightning_pp.model.results import outputs_read
 from lightning_pp.model.step import StepDriver
+from lightning_pp.model.summary import summarize_whole_model
+from lightning_pp.monitor.telemetry import PipelineTelemetry
 from lightning_pp.options import PipelineOptions
-from lightning_pp.p2p import StageP2P, connect_stages
-from lightning_pp.summary import summarize_whole_model
-from lightning_pp.telemetry import PipelineTelemetry
-from lightning_pp.topology import PipelineLayout
+from lightning_pp.parallel.ending import SigtermAtStepStart
+from lightning_pp.parallel.grads import add_to_grads
+from lightning_pp.parallel.topology import PipelineLayout
+from lightning_pp.pipedream.step import DelayedUpdates, SigtermAtNextStep, refuse_for_delayed_updates
+from lightning_pp.pipedream.stream import stream_cuts
+from lightning_pp.runtime.p2p import StageP2P, connect_stages
+from lightning_pp.schedule.actions import Schedule
 
 __all__ = ["StageSession", "release"]
 
@@ -160,7 +160,7 @@ class StageSession:
         if step_name == "training_step" and self.driver.delayed is not None:  # no barrier between its steps
             self._sigterm = SigtermAtNextStep(self.module.trainer, self.object_group())
             self._undo_sigterm = _compat.replace_sigterm_handling(self.module.trainer, self._sigterm)
-        elif step_name == "training_step":  # a SIGTERM stops every rank at the same step (see lightning_pp._ending)
+        elif step_name == "training_step":  # a SIGTERM stops every rank at the same step (parallel.ending)
             self._restore_sigterm()  # (a second fit of this run's Trainer)
             agree = SigtermAtStepStart(self.module.trainer, self.object_group())
             self._undo_sigterm = _compat.replace_sigterm_handling(self.module.trainer, agree, record=agree.record)
@@ -294,7 +294,7 @@ class StageSession:
 
     def hook_logs(self, collective: Collective) -> AbstractContextManager[None]:
         """Where ``self.log`` in the hooks around the optimizer step is combined over the pipeline (see
-        :class:`~lightning_pp._logs.HookLogs`)."""
+        :class:`~lightning_pp.model.logs.HookLogs`)."""
         return self._hook_logs.combining(self.module, collective) if self._hook_logs is not None else nullcontext()
 
     def restore_example_input(self) -> None:

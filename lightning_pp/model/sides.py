@@ -25,9 +25,9 @@ from torch import nn
 from torch.utils.hooks import RemovableHandle
 
 from lightning_pp import _compat
-from lightning_pp._tree import flatten, unflatten
 from lightning_pp.errors import PipelineConfigError
-from lightning_pp.microbatch import merge_microbatches
+from lightning_pp.runtime.microbatch import merge_microbatches
+from lightning_pp.runtime.wire import flatten, unflatten
 
 __all__ = ["SideOutputs", "Sides", "joined_sides", "not_ours", "ours", "split_sides", "with_sides"]
 

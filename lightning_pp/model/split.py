@@ -12,7 +12,7 @@ from lightning_pp import _compat
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.model.blocks import block_count, find_blocks
 from lightning_pp.model.stage import StageView
-from lightning_pp.partition import stage_layer_ranges, uniform_balance, validate_balance
+from lightning_pp.schedule.partition import stage_layer_ranges, uniform_balance, validate_balance
 
 __all__ = ["Partition", "split_module"]
 

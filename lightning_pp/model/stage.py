@@ -28,11 +28,11 @@ from torch.distributed.tensor import DTensor
 from torch.utils.checkpoint import checkpoint
 
 from lightning_pp import _compat
-from lightning_pp._remote import marked_remote, remote_placeholder
-from lightning_pp._tree import map_tensors
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.model.eager import EagerLink
 from lightning_pp.model.sides import SideOutputs, Sides, not_ours, ours, split_sides
+from lightning_pp.runtime.remote import marked_remote, remote_placeholder
+from lightning_pp.runtime.wire import map_tensors
 
 __all__ = ["Mode", "SeveralPasses", "StageOutput", "StageView", "meta_twin"]
 

@@ -23,19 +23,19 @@ from lightning.fabric.utilities import move_data_to_device
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
 from torch import Tensor
 
-from lightning_pp._logs import LogRecorder, replay
-from lightning_pp._remote import refuse_reached, refuse_remote
-from lightning_pp.actions import Schedule
 from lightning_pp.errors import PipelineConfigError
-from lightning_pp.microbatch import batch_size, merge_microbatches, split_batch
-from lightning_pp.model.delayed import DelayedUpdates, refuse_accumulation
+from lightning_pp.model.logs import LogRecorder, replay
 from lightning_pp.model.results import ResultExchange
 from lightning_pp.model.sides import Sides, joined_sides, with_sides
 from lightning_pp.model.stage import SeveralPasses, StageOutput, StageView
-from lightning_pp.p2p import StageP2P
-from lightning_pp.runtime import run_stage, step_clock
-from lightning_pp.timeline import TimelineEvent
-from lightning_pp.topology import StageGroups
+from lightning_pp.parallel.topology import StageGroups
+from lightning_pp.pipedream.step import DelayedUpdates, refuse_accumulation
+from lightning_pp.runtime.executor import run_stage, step_clock
+from lightning_pp.runtime.microbatch import batch_size, merge_microbatches, split_batch
+from lightning_pp.runtime.p2p import StageP2P
+from lightning_pp.runtime.remote import refuse_reached, refuse_remote
+from lightning_pp.schedule.actions import Schedule
+from lightning_pp.schedule.timeline import TimelineEvent
 
 __all__ = ["StepDriver", "StepRandomness"]
 
@@ -336,7 +336,7 @@ class _Step:
     def _refuse_placeholders(self, output: Any) -> None:
         """On the first training step (the structure of a step does not change): the pass's result must not depend on
         what stood in for another stage's DTensor outputs (a skip connection across stages; see
-        :func:`~lightning_pp._remote.remote_placeholder`)."""
+        :func:`~lightning_pp.runtime.remote.remote_placeholder`)."""
         placeholders = self.driver.view.placeholders
         if placeholders and self.training and not self.driver.trained:
             refuse_reached(output, placeholders, f"What {self.name} computed on stage {self.driver.view.stage}")
