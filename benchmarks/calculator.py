@@ -33,9 +33,9 @@ import argparse
 import functools
 from dataclasses import dataclass
 
-from lightning_pp.actions import Action, ActionType, Schedule
-from lightning_pp.schedules import build_schedule
-from lightning_pp.simulate import simulate
+from lightning_pp.schedule import build_schedule
+from lightning_pp.schedule.actions import Action, ActionType, Schedule
+from lightning_pp.schedule.simulate import simulate
 
 GIB = 2**30
 # Llama 3 / 3.1 (hidden, layers, heads, KV heads, intermediate); vocabulary 128256, embedding and head untied

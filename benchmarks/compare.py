@@ -70,7 +70,7 @@ Definitions (``p`` stages, ``m`` micro-batches, ``T_single`` the single-process 
   not used for step times, as timing every action costs a little). lightning_pp only.
 - **peak activation memory per stage**, measured over one step after warm-up, the same way for all runners (for
   lightning_pp in the monitor run; for the plain loops in one extra step after the timed ones, which is not timed),
-  by the meters of ``lightning_pp._memory`` that ``PipelineMonitor``'s ``peak_memory_mb`` uses:
+  by the meters of ``lightning_pp.monitor.memory`` that ``PipelineMonitor``'s ``peak_memory_mb`` uses:
 
   - CPU has no allocator peak to read, so this counts the bytes of tensors saved for backward:
     ``torch.autograd.graph.saved_tensors_hooks`` records every saved tensor; its storage is counted once
@@ -101,7 +101,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from lightning_pp._memory import AllocatorPeakMeter, SavedTensorMeter
+    from lightning_pp.monitor.memory import AllocatorPeakMeter, SavedTensorMeter
 
 NUM_LAYERS = 8
 GPT_DIM, GPT_HEADS, GPT_BLOCK, GPT_VOCAB, GPT_BATCH = 256, 4, 64, 64, 32
@@ -196,8 +196,8 @@ def to_device(batch: Any, device: Any) -> Any:
 
 def ideal_bubble(schedule: str, ranks: int) -> float:
     """The bubble of ``schedule`` alone: simulated with forward = input gradient = weight gradient, free transfers."""
-    from lightning_pp.schedules import build_schedule
-    from lightning_pp.simulate import action_costs, simulate
+    from lightning_pp.schedule import build_schedule
+    from lightning_pp.schedule.simulate import action_costs, simulate
 
     built = build_schedule(schedule, ranks, MICROBATCHES, stages_per_rank=STAGES_PER_RANK.get(schedule, 1))
     return simulate(built, action_costs()).bubble_fraction()
@@ -246,7 +246,7 @@ def worker_single(run: dict[str, Any]) -> dict[str, Any]:
     import torch
     import torch.nn.functional as F
 
-    from lightning_pp._memory import step_memory_meter
+    from lightning_pp.monitor.memory import step_memory_meter
 
     device = run_device(run)
     model: Any
@@ -293,7 +293,7 @@ def worker_torch(run: dict[str, Any], rank: int) -> dict[str, Any]:
     from torch.distributed.pipelining.schedules import ScheduleInterleaved1F1B, ScheduleInterleavedZeroBubble
     from torch.nn.parallel import DistributedDataParallel
 
-    from lightning_pp._memory import step_memory_meter
+    from lightning_pp.monitor.memory import step_memory_meter
 
     device = run_device(run)
     layers = make_layers(run["hidden"])
@@ -372,7 +372,7 @@ def worker_lightning(run: dict[str, Any], rank: int) -> dict[str, Any]:
     from torch import nn
 
     from lightning_pp import PipelineMonitor, PipelineParallelStrategy
-    from lightning_pp._memory import step_memory_meter
+    from lightning_pp.monitor.memory import step_memory_meter
 
     hidden = run["hidden"]
 
@@ -462,7 +462,7 @@ def worker_main(kind: str, spec_path: str, out_dir: str) -> None:
         import torch.distributed as dist
 
         if kind == "torch_kept":
-            from lightning_pp._allocator import keep_freed_cpu_memory
+            from lightning_pp.runtime.allocator import keep_freed_cpu_memory
 
             keep_freed_cpu_memory()
         dist.init_process_group("nccl" if on_gpu else "gloo", rank=rank, world_size=world,

@@ -328,8 +328,8 @@ def worker_main(kind: str, spec_path: str) -> None:
 
 def predicted_step(schedule_name: str, p: int, m: int, per_stage: list[dict[str, float]]) -> float:
     """The simulator's step for one measured step: per stage, its forward and backward time per micro-batch."""
-    from lightning_pp.schedules import ActionType, build_schedule
-    from lightning_pp.simulate import simulate
+    from lightning_pp.schedule import ActionType, build_schedule
+    from lightning_pp.schedule.simulate import simulate
 
     schedule = build_schedule(schedule_name, p, m)
     costs = {stage: {ActionType.FORWARD: s["F"] / m, ActionType.BACKWARD: s["B"] / m}

@@ -362,7 +362,7 @@ def check_compiled() -> str:
 def check_weight_stash() -> str:
     """pipedream_2bw's two versions of the weights (it needs 2 ranks, so not through the Trainer here): a forward's
     saved weights are read back from the version kept before the optimizer's in-place update."""
-    from lightning_pp.model.delayed import _Version
+    from lightning_pp.pipedream.step import _Version
 
     torch.manual_seed(0)
     layer = nn.Linear(64, 64).to(S.device)

@@ -314,8 +314,8 @@ def p2p_exchange(steps: list[list[tuple[str, list[int]]]], prefetch: int = 2,
     import torch
     import torch.distributed as dist
 
-    from lightning_pp.p2p import StageP2P
-    from lightning_pp.schedules import Action, ActionType
+    from lightning_pp.runtime.p2p import StageP2P
+    from lightning_pp.schedule import Action, ActionType
 
     stage = int(os.environ["LOCAL_RANK"])
     dist.init_process_group("gloo", rank=stage, world_size=WORLD_SIZE)
@@ -355,8 +355,8 @@ def p2p_nested(sizes: list[list[int]]) -> list[list[float]] | None:
     import torch
     import torch.distributed as dist
 
-    from lightning_pp.p2p import StageP2P
-    from lightning_pp.schedules import Action, ActionType
+    from lightning_pp.runtime.p2p import StageP2P
+    from lightning_pp.schedule import Action, ActionType
 
     stage = int(os.environ["LOCAL_RANK"])
     dist.init_process_group("gloo", rank=stage, world_size=WORLD_SIZE)
@@ -390,10 +390,10 @@ def payload_wait_timing(delay: float) -> list[tuple[str, str, float]]:
     import torch
     import torch.distributed as dist
 
-    from lightning_pp.p2p import StageP2P
-    from lightning_pp.runtime import HostClock, run_stage
-    from lightning_pp.schedules import build_schedule
-    from lightning_pp.simulate import TimelineEvent
+    from lightning_pp.runtime.executor import HostClock, run_stage
+    from lightning_pp.runtime.p2p import StageP2P
+    from lightning_pp.schedule import build_schedule
+    from lightning_pp.schedule.simulate import TimelineEvent
 
     stage = int(os.environ["LOCAL_RANK"])
     dist.init_process_group("gloo", rank=stage, world_size=WORLD_SIZE)
@@ -475,7 +475,7 @@ def result_exchange(steps: int, host_group: bool = False) -> list[dict[str, Any]
     from models import step_outputs
 
     from lightning_pp.model import results
-    from lightning_pp.topology import PipelineLayout, create_groups
+    from lightning_pp.parallel.topology import PipelineLayout, create_groups
 
     dist.init_process_group("gloo", rank=GLOBAL_RANK, world_size=WORLD_SIZE)
     pickled = 0
@@ -535,7 +535,7 @@ def sigterm_words(signal_at: int, steps: int) -> int | None:
     import torch.distributed as dist
     from lightning.pytorch.utilities.exceptions import SIGTERMException
 
-    from lightning_pp.model.delayed import SigtermAtNextStep
+    from lightning_pp.pipedream.step import SigtermAtNextStep
 
     dist.init_process_group("gloo", rank=GLOBAL_RANK, world_size=WORLD_SIZE)
     trainer = SimpleNamespace(received_sigterm=False)

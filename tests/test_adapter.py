@@ -9,9 +9,9 @@ import torch
 from torch import nn
 
 from lightning_pp import PipelineConfigError
-from lightning_pp._tree import decode_spec, encode_spec, flatten, unflatten
 from lightning_pp.model.blocks import find_blocks
 from lightning_pp.model.stage import StageOutput, StageView
+from lightning_pp.runtime.wire import decode_spec, encode_spec, flatten, unflatten
 
 
 class Block(nn.Module):
@@ -167,7 +167,7 @@ def test_structures_round_trip(obj: Any) -> None:
 def test_nested_tensors_cross_padded_and_merge_over_microbatches() -> None:
     """What PyTorch's nn.TransformerEncoder hands from layer to layer in evaluation: a nested tensor of sequences of
     different lengths. It travels as a padded tensor and the sizes; micro-batches' nested outputs join into one."""
-    from lightning_pp.microbatch import merge_microbatches
+    from lightning_pp.runtime.microbatch import merge_microbatches
 
     nested = torch.nested.nested_tensor([torch.randn(3, 4), torch.randn(1, 4)])
     tensors, spec = flatten({"h": nested})

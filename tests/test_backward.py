@@ -11,9 +11,9 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_pp.backward import backward_input, backward_weight, split_declined
-from lightning_pp.runtime import run_stage
-from lightning_pp.schedules import build_schedule
+from lightning_pp.runtime.backward import backward_input, backward_weight, split_declined
+from lightning_pp.runtime.executor import run_stage
+from lightning_pp.schedule import build_schedule
 
 WIDTH = 4
 
@@ -66,7 +66,7 @@ def test_an_output_without_the_inputs_runs_the_whole_backward_in_the_input_pass(
     x, w, table = torch.randn(3, 3, requires_grad=True), nn.Parameter(torch.randn(3, 3)), nn.Parameter(torch.randn(3))
     grads = [torch.randn(3, 3), torch.randn(3)]
     expected = torch.autograd.grad([x @ w, table.tanh()], [x, w, table], grads)
-    with caplog.at_level(logging.INFO, logger="lightning_pp.backward"):
+    with caplog.at_level(logging.INFO, logger="lightning_pp.runtime.backward"):
         for _ in range(2):
             w.grad = table.grad = None
             received = x.detach().requires_grad_()

@@ -20,8 +20,8 @@ from torch import nn
 from torch.utils.data import DataLoader
 
 from lightning_pp import PipelineConfigError, PipelineParallelStrategy
-from lightning_pp.model.balance import parameter_balance
-from lightning_pp.partition import min_max_partition, stage_costs, uniform_balance
+from lightning_pp.schedule.partition import min_max_partition, stage_costs, uniform_balance
+from lightning_pp.tuning.balance import parameter_balance
 
 # ------------------------------------------------------------------------------------------------ the exact split
 
@@ -230,7 +230,7 @@ def test_a_second_fit_keeps_the_measured_split(caplog: pytest.LogCaptureFixture)
 def test_time_outside_fit_falls_back_to_params(caplog: pytest.LogCaptureFixture) -> None:
     """trainer.validate on a fresh module has no training step to time: the split is by parameters, said in a log
     line. Parameters per block: 160, 160, 920, 160, 160, 312 on 3 stages."""
-    caplog.set_level(logging.INFO, logger="lightning_pp.model.balance")
+    caplog.set_level(logging.INFO, logger="lightning_pp.tuning.balance")
     trainer = trainer_for("time", stages=3, limit_val_batches=2)
     trainer.validate(Probed(), verbose=False)
     assert ranges_of(trainer) == [range(0, 2), range(2, 3), range(3, 6)]
@@ -259,7 +259,7 @@ def test_a_block_that_cannot_be_replayed_alone_gets_the_steps_timings() -> None:
     backward by gradient hooks between the blocks' outputs), with what each block saves and outputs."""
     from real_models import HFGPT2, token_batches
 
-    from lightning_pp.model.balance import measure_block_costs
+    from lightning_pp.tuning.balance import measure_block_costs
 
     module = HFGPT2()
     (tokens,) = next(iter(token_batches()))

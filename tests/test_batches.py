@@ -14,8 +14,8 @@ from _launch import launch
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_pp import PipelineConfigError
-from lightning_pp.microbatch import merge_microbatches, split_batch, whole
 from lightning_pp.model.batches import BatchGuard, fingerprint, refuse_wrong_sampler
+from lightning_pp.runtime.microbatch import merge_microbatches, split_batch, whole
 
 
 def test_per_sample_lists_are_split_with_the_tensors() -> None:

@@ -1,5 +1,5 @@
 """Single-process tier: a sharded checkpoint's folder replaced whole, and the checks naming a checkpoint's missing or
-cut-short parts (``lightning_pp._checkpoint_files``); the multi-process checks are in ``test_checkpoints.py``."""
+cut-short parts (``lightning_pp.checkpoint.files``); the multi-process checks are in ``test_checkpoints.py``."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from lightning_pp._checkpoint_files import (
+from lightning_pp.checkpoint.files import (
     check_sharded_folder,
     interrupted_replacement,
     new_folder_token,

@@ -10,7 +10,7 @@ from _launch import launch
 from models import MLPClassifier
 from support import assemble, assert_params_close, epochs_run, single_device_state
 
-from lightning_pp._nccl_emulation import ENV_VAR
+from lightning_pp.parallel.nccl_emulation import ENV_VAR
 
 pytestmark = pytest.mark.multiprocess
 

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from lightning_pp import PipelineConfigError, PipelineLayout, PipelineParallelStrategy
-from lightning_pp.microbatch import split_batch
-from lightning_pp.partition import stage_layer_ranges, uniform_balance, validate_balance
+from lightning_pp.runtime.microbatch import split_batch
+from lightning_pp.schedule.partition import stage_layer_ranges, uniform_balance, validate_balance
 
 
 def test_uniform_balance_and_ranges() -> None:
@@ -191,7 +191,7 @@ def test_registry_alias() -> None:
 
 def test_log_records_split_into_layout_and_numbers_and_back() -> None:
     """The result exchange sends a step's log records as numbers and, only when it changed, their layout."""
-    from lightning_pp._logs import LogRecord, MetricRef, join_records, split_records
+    from lightning_pp.model.logs import LogRecord, MetricRef, join_records, split_records
 
     records: list[LogRecord] = [("loss", 0.25, {"prog_bar": True}), ("acc", MetricRef("model.acc", 0.5), {}),
                ("auroc", MetricRef("model.auroc", None), {"on_epoch": True}), ("n", 3.0, {"reduce_fx": "sum"})]

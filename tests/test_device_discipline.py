@@ -17,7 +17,7 @@ from lightning.fabric.plugins.environments import LightningEnvironment
 
 import lightning_pp
 from lightning_pp import PipelineConfigError, PipelineParallelStrategy
-from lightning_pp._logs import LogRecorder, stacked, weighted_mean
+from lightning_pp.model.logs import LogRecorder, stacked, weighted_mean
 
 PACKAGE = Path(lightning_pp.__file__).parent
 # torch functions that create a tensor on the default device unless told otherwise (the `*_like` ones follow their

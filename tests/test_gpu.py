@@ -12,9 +12,9 @@ import torch
 from _launch import launch
 from support import SCHEDULE_NAMES, assemble, assert_matches, reference, run_compare
 
-from lightning_pp.runtime import run_stage, step_clock
-from lightning_pp.schedules import build_schedule
-from lightning_pp.simulate import FORWARD, TimelineEvent
+from lightning_pp.runtime.executor import run_stage, step_clock
+from lightning_pp.schedule import build_schedule
+from lightning_pp.schedule.simulate import FORWARD, TimelineEvent
 
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 needs_two_gpus = pytest.mark.skipif(torch.cuda.device_count() < 2, reason="an NCCL pipeline needs two CUDA devices")

@@ -15,8 +15,8 @@ from tensorboard.backend.event_processing.event_accumulator import EventAccumula
 from torch import nn
 
 from lightning_pp import PipelineConfigError, PipelineMonitor
-from lightning_pp._memory import AllocatorPeakMeter, SavedTensorMeter, parameter_storages, stage_parameter_bytes
-from lightning_pp.monitor import clock_offsets
+from lightning_pp.monitor.callback import clock_offsets
+from lightning_pp.monitor.memory import AllocatorPeakMeter, SavedTensorMeter, parameter_storages, stage_parameter_bytes
 
 STAGE_KEYS = ["forward_ms", "backward_ms", "comm_wait_ms", "comm_transfer_ms", "idle_ms", "framework_us_per_action",
               "bubble_fraction"]
@@ -105,9 +105,9 @@ def test_bubbles_of_interleaved_and_zero_bubble_schedules_match_theory() -> None
 def test_idle_is_the_gaps_between_a_stages_actions_not_its_bubble() -> None:
     """Stage 1 starts late (waiting for its first input is communication), leaves 0.1 ms between its actions and ends
     4 ms before stage 0: idle counts the gaps only; the bubble counts everything in which it does not compute."""
-    from lightning_pp.monitor import stage_metrics
-    from lightning_pp.schedules import Action
-    from lightning_pp.simulate import BACKWARD, COMM_TRANSFER, COMM_WAIT, FORWARD, Timeline, TimelineEvent
+    from lightning_pp.monitor.callback import stage_metrics
+    from lightning_pp.schedule import Action
+    from lightning_pp.schedule.simulate import BACKWARD, COMM_TRANSFER, COMM_WAIT, FORWARD, Timeline, TimelineEvent
 
     def event(stage: int, action: str, category: str, start_ms: float, end_ms: float) -> TimelineEvent:
         return TimelineEvent(stage, Action.parse(action), category, start_ms / 1e3, end_ms / 1e3)
@@ -296,7 +296,7 @@ def test_parameter_bytes_of_a_sharded_weight_are_its_local_shard() -> None:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from lightning_pp._memory import optimizer_state_size
+    from lightning_pp.monitor.memory import optimizer_state_size
 
     created = not dist.is_initialized()  # (an earlier one-process fit in this process may have left its group)
     if created:

@@ -1,6 +1,6 @@
-"""NCCL's control flow on CPU (``LIGHTNING_PP_NCCL_EMULATION=1``, see :mod:`lightning_pp._nccl_emulation`): headers on
-the host in gloo groups of their own, payloads posted in batches and polled for completion as NCCL's are, object
-collectives on a gloo group. Each test here failed, stalled or read garbage before the fault it names was fixed.
+"""NCCL's control flow on CPU (``LIGHTNING_PP_NCCL_EMULATION=1``, see :mod:`lightning_pp.parallel.nccl_emulation`):
+headers on the host in gloo groups of their own, payloads posted in batches and polled for completion as NCCL's are,
+object collectives on a gloo group. Each test here failed, stalled or read garbage before the fault it names was fixed.
 
 The emulated tier is a subset of the multi-process tiers, on 2 ranks: equivalence (1F1B, GPipe with a micro-batch count
 that does not divide the batch, interleaved (four transfer groups), ZB-H1 and ZBV, a weight shared by the first and
@@ -35,8 +35,8 @@ from support import (
     validated_and_predicted,
 )
 
-from lightning_pp._nccl_emulation import ENV_VAR
-from lightning_pp.simulate import COMM_WAIT, FORWARD
+from lightning_pp.parallel.nccl_emulation import ENV_VAR
+from lightning_pp.schedule.simulate import COMM_WAIT, FORWARD
 
 pytestmark = pytest.mark.multiprocess
 
@@ -135,8 +135,8 @@ def test_pipedream_2bw_with_the_monitor_ends_its_timed_steps() -> None:
     """Issue 37, finding 1: with PipelineMonitor attached pipedream_2bw deadlocked on NCCL. The step's results were
     broadcast at its end, after the timed step's synchronize, which waits for the last stage's final send; stage 0
     posts that send's receive only in its next step, which it starts after the broadcast. Here the synchronize waits
-    for the emulated operations in flight (see lightning_pp._nccl_emulation): before the fix the last stage failed
-    after the transfers' timeout (5 s) with a PipelineTimeoutError naming that send. The tied embedding/head adds
+    for the emulated operations in flight (see lightning_pp.parallel.nccl_emulation): before the fix the last stage
+    failed after the transfers' timeout (5 s) with a PipelineTimeoutError naming that send. The tied embedding/head adds
     collectives at every step's end (its gradient summed over the two stages; the placement of the weights outside
     the blocks after step 0), which met the last stage's timed synchronize the same way until NCCL's cuts of the
     stream left no send in flight across a step's end; there every step is timed, the last one too."""

@@ -1,10 +1,11 @@
 """``schedule="pipedream_2bw"``: PipeDream-2BW's asynchronous 1F1B (never draining between batches, two weight versions,
 each optimizer step applying the previous batch's gradient).
 
-Single-process: the cuts of the stream (:mod:`lightning_pp.cross_batch`) compose into validated schedules, what each
-step runs and which weights each pass reads follow the rule, the bubble, and the refused options. Multi-process (gloo):
-training equals one device running the rule (``models.DelayedGradients``: W_t = W_{t-1} - lr grad f_{t-1}(W_{t-2})),
-with validation and checkpoints draining the pipeline, on 2 and 4 ranks; a failure mid-batch ends every rank.
+Single-process: the cuts of the stream (:mod:`lightning_pp.pipedream.stream`) compose into validated schedules, what
+each step runs and which weights each pass reads follow the rule, the bubble, and the refused options. Multi-process
+(gloo): training equals one device running the rule (``models.DelayedGradients``: W_t = W_{t-1} - lr grad
+f_{t-1}(W_{t-2})), with validation and checkpoints draining the pipeline, on 2 and 4 ranks; a failure mid-batch ends
+every rank.
 """
 
 from __future__ import annotations
@@ -19,12 +20,12 @@ from _launch import launch
 from support import assemble, assert_matches, assert_params_close, check_lifecycle, delayed_reference
 
 from lightning_pp import PipelineConfigError, PipelineParallelStrategy
-from lightning_pp.actions import Action, ActionType
-from lightning_pp.checkpoint import PENDING_GRADIENT_KEY
-from lightning_pp.cross_batch import stream_cuts, stream_schedule
+from lightning_pp.checkpoint.state import PENDING_GRADIENT_KEY
 from lightning_pp.options import PipelineOptions
-from lightning_pp.schedules import validate_schedule
-from lightning_pp.simulate import simulate
+from lightning_pp.pipedream.stream import stream_cuts, stream_schedule
+from lightning_pp.schedule import validate_schedule
+from lightning_pp.schedule.actions import Action, ActionType
+from lightning_pp.schedule.simulate import simulate
 
 SHAPES = [(2, 2), (2, 4), (3, 3), (4, 4), (4, 7)]
 F_B = {ActionType.FORWARD: 1.0, ActionType.BACKWARD: 2.0}  # F = I = W: B = 2 F
@@ -104,7 +105,7 @@ def test_the_stream_has_no_fill_or_drain_between_batches() -> None:
 def _gradients_across_an_update(params: list[torch.nn.Parameter], loss: object) -> float:
     """Max error of the gradients of ``loss()`` taken after an in-place update of ``params`` (the kept version read
     back, the way a leftover backward runs) against those at the weights of the forward."""
-    from lightning_pp.model.delayed import _Version
+    from lightning_pp.pipedream.step import _Version
 
     for p in params:
         p.grad = None
@@ -149,7 +150,7 @@ def test_the_kept_version_is_read_back_wherever_the_weights_lie() -> None:
 def test_a_weight_frozen_since_its_forward_still_gets_its_leftover_gradient() -> None:
     """Frozen between a batch's forward and its leftover backward (a fine-tuning callback): autograd would skip the
     gradient; the leftover makes it trainable meanwhile, so the batch's gradient is whole (the rule applies it)."""
-    from lightning_pp.model.delayed import DelayedUpdates, _Version
+    from lightning_pp.pipedream.step import DelayedUpdates, _Version
 
     x, w = torch.randn(3, 4), torch.nn.Parameter(torch.randn(4, 4))
     delayed = DelayedUpdates(stream_cuts(2, 2), 0)
@@ -215,9 +216,9 @@ def test_a_timed_step_waits_for_its_stream_never_the_whole_device(monkeypatch: p
     which also waits for NCCL's streams, where pipedream_2bw's last send of a step waits for the peer's next step (a
     deadlock with PipelineMonitor attached). They wait for the current stream now, and still read every event only
     once it has completed."""
-    from lightning_pp.grads import PipelineGradients
-    from lightning_pp.runtime import step_clock
-    from lightning_pp.topology import PipelineLayout, StageGroups
+    from lightning_pp.parallel.grads import PipelineGradients
+    from lightning_pp.parallel.topology import PipelineLayout, StageGroups
+    from lightning_pp.runtime.executor import step_clock
 
     def device_wide(device: object = None) -> None:
         raise AssertionError("torch.cuda.synchronize: waits for every stream, NCCL's too")

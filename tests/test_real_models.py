@@ -186,10 +186,11 @@ def test_single_device_references_are_sane() -> None:
 def test_gpt2_and_nanogpt_every_schedule(world_size: int) -> None:
     """Hugging Face GPT-2 (blocks in ``model.transformer.h``, an ``nn.ModuleList`` looped with a mask, position ids and
     a cache; head tied to ``wte``) and a nanoGPT module (``transformer.h`` inside an ``nn.ModuleDict``, boolean mask),
-    found automatically, under every schedule; on 2 stages also the container named by ``blocks=``, GPT-2 with dropout (default GPT2Config), which must train, not match, and GPT-2 on padded
-    sequences (labels -100 on the padding) with ``microbatch_weight`` counting each micro-batch's real tokens; and both
-    built on the meta device (``trainer.init_module(empty_init=True)``), each rank materializing its own stage, against
-    one device materializing the whole model alike."""
+    found automatically, under every schedule; on 2 stages also the container named by ``blocks=``, GPT-2 with dropout
+    (default GPT2Config), which must train, not match, and GPT-2 on padded sequences (labels -100 on the padding) with
+    ``microbatch_weight`` counting each micro-batch's real tokens; and both built on the meta device
+    (``trainer.init_module(empty_init=True)``), each rank materializing its own stage, against one device materializing
+    the whole model alike."""
     runs = [job(model, schedule=schedule, microbatches=world_size * (2 if schedule == "1f1b" else 1))
             for model in ("hf_gpt2", "nanogpt") for schedule in SCHEDULE_NAMES]
     checks = [matches(run["kwargs"]["model"]) for run in runs]

@@ -10,9 +10,9 @@ import time
 import pytest
 import torch
 
-from lightning_pp.runtime import EventClock, HostClock, run_stage
-from lightning_pp.schedules import build_schedule
-from lightning_pp.simulate import BACKWARD, FORWARD, TimelineEvent
+from lightning_pp.runtime.executor import EventClock, HostClock, run_stage
+from lightning_pp.schedule import build_schedule
+from lightning_pp.schedule.simulate import BACKWARD, FORWARD, TimelineEvent
 
 DEVICE_LAG = 0.5  # seconds the fake device runs behind the host
 
@@ -63,7 +63,7 @@ def test_event_clock_synchronises_twice_and_maps_device_time_to_host_time() -> N
 
 FAULTS_PER_REALLOCATION = """
 import resource, sys, torch
-from lightning_pp._allocator import keep_freed_cpu_memory
+from lightning_pp.runtime.allocator import keep_freed_cpu_memory
 if sys.argv[1] == "keep":
     assert keep_freed_cpu_memory()
 def faults():

@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 
 from lightning_pp.errors import PipelineConfigError, PipelineScheduleError
-from lightning_pp.schedules import (
+from lightning_pp.schedule import (
     GENERATORS,
     SCHEDULES,
     Action,
@@ -21,7 +21,7 @@ from lightning_pp.schedules import (
     load_csv,
     validate_schedule,
 )
-from lightning_pp.simulate import (
+from lightning_pp.schedule.simulate import (
     BACKWARD_INPUT,
     BACKWARD_WEIGHT,
     FORWARD,
@@ -527,7 +527,7 @@ def test_costs_per_kind() -> None:
 
 def test_monitor_metrics_and_pictures_take_split_backwards_and_shared_ranks() -> None:
     pytest.importorskip("matplotlib")
-    from lightning_pp.monitor import draw_timelines, stage_metrics, summary_table, to_chrome_trace
+    from lightning_pp.monitor.callback import draw_timelines, stage_metrics, summary_table, to_chrome_trace
 
     zb = simulate(build_schedule("zb_h1", 2, 2))
     metrics = stage_metrics(zb, zb, samples=8)
@@ -561,7 +561,7 @@ def test_monitor_metrics_and_pictures_take_split_backwards_and_shared_ranks() ->
 def test_forward_sweep_evaluates_any_count_on_a_schedules_placement(name: str, ranks: int,
                                                                     microbatches: int) -> None:
     """Evaluation batches a schedule's rule cannot split run as a forward sweep over the same stage placement."""
-    from lightning_pp.schedules import forward_sweep
+    from lightning_pp.schedule import forward_sweep
 
     placement = build_schedule(name, ranks, 2 * ranks, stages_per_rank=STAGES_PER_RANK.get(name, 1)).stage_to_rank
     sweep = forward_sweep(placement, microbatches)

@@ -1,4 +1,4 @@
-"""Single-process tier: ``schedule="auto"``'s search (:mod:`lightning_pp.tuning`) on costs given by hand."""
+"""Single-process tier: ``schedule="auto"``'s search (:mod:`lightning_pp.tuning.search`) on costs given by hand."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from _launch import launch
 from support import assemble, assert_params_close, assert_trains_like, pipelined, reference
 
 from lightning_pp import PipelineConfigError, PipelineParallelStrategy
-from lightning_pp.tuning import MeasuredCosts, search
+from lightning_pp.tuning.search import MeasuredCosts, search
 
 BLOCKS = 8
 
