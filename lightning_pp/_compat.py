@@ -266,11 +266,13 @@ __all__ = [
     "forward_hooks",
     "fresh_persistent_workers",
     "fsdp_param_groups",
+    "hf_init_weights",
     "init_fsdp_root",
     "mark_metric_updated",
     "mark_sigterm_received",
     "metric_forward_value",
     "move_forward_hooks_last",
+    "own_initializer",
     "reduce_fsdp_grads",
     "replace_metric_sync",
     "replace_sigterm_handling",
@@ -290,6 +292,7 @@ __all__ = [
     "unregister_tensors",
     "unscale_local_grads",
     "unsharded_class",
+    "unwrapped_optimizer",
 ]
 
 
@@ -398,3 +401,20 @@ def batch_statistics_classes() -> tuple[type[torch.nn.Module], type[torch.nn.Mod
     from torch.nn.modules.instancenorm import _InstanceNorm
 
     return _BatchNorm, _InstanceNorm
+
+
+def unwrapped_optimizer(optimizer: Any) -> Any:
+    """The torch optimizer inside Lightning's ``LightningOptimizer`` (the optimizer itself otherwise)."""
+    return getattr(optimizer, "_optimizer", optimizer)
+
+
+def own_initializer(module: torch.nn.Module) -> Callable[[], None] | None:
+    """What initializes ``module``'s own weights: ``reset_parameters``, or torch's ``_reset_parameters`` (as
+    ``nn.MultiheadAttention`` and ``nn.Transformer`` name it); None without either."""
+    method = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
+    return method if callable(method) else None
+
+
+def hf_init_weights(hf_model: Any, module: torch.nn.Module) -> None:
+    """A Hugging Face model's initialization of one of its submodules (its ``_init_weights``)."""
+    hf_model._init_weights(module)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import signal
 import textwrap
@@ -57,6 +58,7 @@ from lightning_pp.parallel.topology import (
     create_device_mesh,
     start_process_group,
 )
+from lightning_pp.run import RunContext
 from lightning_pp.runtime.allocator import keep_freed_cpu_memory
 from lightning_pp.schedule import StepSchedules
 from lightning_pp.tuning.autotune import choose_configuration
@@ -112,17 +114,12 @@ class PipelineParallelStrategy(ReplicaCollectives, PipelineDataHooks, LoopHooks)
         cluster_environment: ClusterEnvironment | None = None, checkpoint_io: CheckpointIO | None = None,
         precision_plugin: Precision | None = None,
     ) -> None:
+        given = locals()  # every argument above: PipelineOptions' fields are checked there, as given
         super().__init__(accelerator=accelerator, parallel_devices=parallel_devices,
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
-        self.options = PipelineOptions(
-            schedule=schedule, pipeline_parallel_size=pipeline_parallel_size, stages_per_rank=stages_per_rank,
-            microbatches=microbatches, blocks=blocks, balance=balance, timeout=timeout,
-            transfer_timeout=transfer_timeout, state_dict_type=state_dict_type,
-            process_group_backend=process_group_backend, reuse_cpu_memory=reuse_cpu_memory,
-            microbatch_weight=microbatch_weight, activation_checkpointing=activation_checkpointing,
-            outside_weights=outside_weights, carry_block_outputs=carry_block_outputs,
-            data_parallel_mode=data_parallel_mode, tensor_parallel_size=tensor_parallel_size, max_memory=max_memory)
+        self.options = PipelineOptions(**{f.name: given[f.name] for f in dataclasses.fields(PipelineOptions) if f.init})
+        self._chosen: PipelineOptions | None = None  # schedule="auto"'s concrete options, once chosen
         self._process_group_backend = process_group_backend  # chosen from the device in setup_environment if None
         self._num_nodes = 1
         self._session: StageSession | None = None  # this rank's stage during a Trainer run, from setup to teardown
@@ -189,8 +186,15 @@ class PipelineParallelStrategy(ReplicaCollectives, PipelineDataHooks, LoopHooks)
         return self.num_nodes * self.num_processes
 
     @property
+    def resolved_options(self) -> PipelineOptions:
+        """The options runs use: the user's (:attr:`options`, kept as given), with ``schedule="auto"`` made concrete
+        once the first run chose (later runs keep the choice)."""
+        return self._chosen or self.options
+
+    @property
     def microbatches(self) -> int:
-        return self.options.microbatches if self.options.microbatches is not None else 2 * self.num_stages
+        options = self.resolved_options
+        return options.microbatches if options.microbatches is not None else 2 * self.num_stages
 
     @override
     def _configure_launcher(self) -> None:
@@ -234,24 +238,19 @@ class PipelineParallelStrategy(ReplicaCollectives, PipelineDataHooks, LoopHooks)
         if fitting:
             self._unapplied_gradient = {}  # a new stream (a resumed one gets its checkpoint's)
         refuse_unsupported(module, fitting, self.options.tensor_parallel_size)
-        if self.options.schedule == "auto":  # made concrete once, at the first run's start (fit's, to measure)
-            self.options, self.telemetry.auto_choice = choose_configuration(
-                self.options, module, trainer, layout=self.layout, rank=self.global_rank, device=self.root_device,
-                precision=self.precision_plugin, collective=self._collective, object_group=self.object_group)
-        self._schedules = StepSchedules(str(self.options.schedule), self.num_stages, self.microbatches,  # this world's
-                                        self.options.stages_per_rank or 1, self.options.schedule_file is not None)
-        schedule = self._schedules(self.microbatches, False)  # raises for a count it cannot run
+        run = RunContext(self.resolved_options, self.layout, self.global_rank, self.root_device, trainer,
+                         self.precision_plugin, fitting, self._new_group, self._collective, lambda: self.object_group)
+        if run.options.schedule == "auto":  # made concrete once, at the first run's start (fit's, to measure)
+            self._chosen, self.telemetry.auto_choice = choose_configuration(run, module)
+            run = dataclasses.replace(run, options=self._chosen)
+        options = run.options
+        self._schedules = StepSchedules(str(options.schedule), self.num_stages, run.microbatches,  # this world's
+                                        options.stages_per_rank or 1, options.schedule_file is not None)
+        schedule = self._schedules(run.microbatches, False)  # raises for a count it cannot run
         assembly = assemble_stage(
-            module, schedule, self.layout, self.global_rank, blocks=self.options.blocks,
-            balance=balance_for(self.options, module, trainer, self.num_stages, self.microbatches, self.root_device,
-                                self.precision_plugin, self.layout, self.global_rank, self._collective,
-                                self.object_group),
-            recompute_every=self.options.recompute_every,
-            device=self.root_device, new_group=self._new_group, to_device=self._convert_and_move,
-            place_where_used=fitting and self.num_stages > 1 and self.options.outside_weights == "where_used",
-            sharding=BlockSharding.over(self.device_mesh, self.options.data_parallel_mode == "fsdp", module,
-                                        str(getattr(self.precision_plugin, "precision", "32-true"))),
-            object_group=self.object_group)
+            run, module, schedule, balance=balance_for(run, module), to_device=self._convert_and_move,
+            sharding=BlockSharding.over(self.device_mesh, options.data_parallel_mode == "fsdp", module,
+                                        str(getattr(self.precision_plugin, "precision", "32-true"))))
         try:
             if fitting:
                 setup_optimizers_everywhere(lambda: self.setup_optimizers(trainer), module, assembly.partition,
@@ -260,9 +259,7 @@ class PipelineParallelStrategy(ReplicaCollectives, PipelineDataHooks, LoopHooks)
             assembly.grads.install(self.precision_plugin, enabled_scaler(self.precision_plugin))
             if fitting:
                 _compat._optimizers_to_device(self.optimizers, self.root_device)
-            self._session = StageSession(module, assembly, self._schedules, self.layout, self.global_rank,
-                                         self.root_device, self.options, self.microbatches, self.telemetry,
-                                         lambda: self.object_group, self._new_group, fitting=fitting)
+            self._session = StageSession(run, module, assembly, self._schedules, self.telemetry)
         except BaseException:
             release(assembly)  # teardown has no session to close
             raise
@@ -399,7 +396,7 @@ class PipelineParallelStrategy(ReplicaCollectives, PipelineDataHooks, LoopHooks)
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         if self._failed(f"Saving {filepath}"):
             return
-        if self.options.schedule == "pipedream_2bw" and "optimizer_states" in checkpoint:  # not weights only
+        if self.resolved_options.schedule == "pipedream_2bw" and "optimizer_states" in checkpoint:  # not weights only
             pending = self._session.pending_gradient(self._collective) if self._session is not None else None
             self._checkpoints.add_pending_gradient(checkpoint, self._unapplied_gradient if pending is None else pending,
                                                    full=self.options.state_dict_type == "full")

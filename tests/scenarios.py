@@ -249,7 +249,8 @@ def monitored(model: str, schedule: str, microbatches: int, log_dir: str | None,
 
     trainer = L.Trainer(
         accelerator="cpu", devices=WORLD_SIZE, max_steps=max_steps, log_every_n_steps=1,
-        strategy=PipelineParallelStrategy(schedule=schedule, microbatches=microbatches, timeout=timeout, **strategy),
+        strategy=PipelineParallelStrategy(schedule=schedule, microbatches=microbatches, transfer_timeout=timeout,
+                                        **strategy),
         logger=TensorBoardLogger(log_dir, name="tb") if log_dir else False, callbacks=[monitor, HeldSends()],
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )

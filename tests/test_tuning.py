@@ -140,9 +140,11 @@ def test_auto_in_one_process_chooses_then_keeps_its_choice(caplog: pytest.LogCap
     trainer.fit(module, make_data("lifecycle"))
     choice = strategy.telemetry.auto_choice
     assert choice is not None and "schedule='auto' chose" in caplog.text
-    assert (strategy.options.schedule, strategy.options.microbatches) == (choice.schedule, choice.microbatches)
+    resolved = strategy.resolved_options
+    assert (resolved.schedule, resolved.microbatches) == (choice.schedule, choice.microbatches)
+    assert (strategy.options.schedule, strategy.options.microbatches) == ("auto", None)  # the user's, as given
     trainer.validate(module, make_data("lifecycle", seed=3), verbose=False)
-    assert strategy.options.schedule == choice.schedule
+    assert strategy.resolved_options.schedule == choice.schedule
 
 
 def test_auto_outside_fit_runs_the_default_keeping_what_is_fixed(caplog: pytest.LogCaptureFixture) -> None:
@@ -153,6 +155,7 @@ def test_auto_outside_fit_runs_the_default_keeping_what_is_fixed(caplog: pytest.
     trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, logger=False, enable_progress_bar=False,
                         enable_model_summary=False)
     trainer.validate(Lifecycle(), make_data("lifecycle"), verbose=False)
-    assert strategy.options.schedule == "interleaved_1f1b" and strategy.telemetry.auto_choice is None
+    assert strategy.resolved_options.schedule == "interleaved_1f1b" and strategy.telemetry.auto_choice is None
+    assert strategy.options.schedule == "auto"
     assert "schedule='auto' runs the default configuration (interleaved_1f1b): trainer.validate does not train" in (
         caplog.text)

@@ -16,7 +16,7 @@ import torch
 import torch.distributed as dist
 from torch.optim import Optimizer
 
-from lightning_pp._compat import _optimizers_to_device
+from lightning_pp import _compat
 from lightning_pp.checkpoint.files import (
     TRAINER_STATE,
     check_sharded_folder,
@@ -243,7 +243,7 @@ class StageCheckpoints:
     def optimizer_state(self, optimizer: Optimizer, full: bool) -> dict[str, Any]:
         """This stage's optimizer state by parameter name, or (``full``) the whole model's, re-keyed as one device
         numbers it, on global rank 0."""
-        named = named_state(getattr(optimizer, "_optimizer", optimizer), self._name_of(), whole=full)
+        named = named_state(_compat.unwrapped_optimizer(optimizer), self._name_of(), whole=full)
         if not full:
             return named
         parts = self._gather_on_zero(named)
@@ -342,12 +342,7 @@ class StageCheckpoints:
         every stage's parameter names merged. (``weights_only`` applies to ``checkpoint.pt``; torch's distributed
         checkpoint reads the rest itself.)"""
         import torch.distributed.checkpoint as dcp
-        from torch.distributed.checkpoint import (
-            BytesStorageMetadata,
-            CheckpointException,
-            DefaultLoadPlanner,
-            FileSystemReader,
-        )
+        from torch.distributed.checkpoint import CheckpointException, DefaultLoadPlanner, FileSystemReader
 
         # every rank checks the same files alike, before the collective read below
         stored = check_sharded_folder(folder, FileSystemReader(folder).read_metadata).state_dict_metadata
@@ -363,25 +358,8 @@ class StageCheckpoints:
         params = dict(self.module.named_parameters())
         pending = [name for name in params if f"{PENDING_GRADIENT_KEY}.{name}" in stored]
         target.update({f"{PENDING_GRADIENT_KEY}.{name}": torch.zeros_like(params[name]) for name in pending})
-        states: list[dict[str, Any]] = []
-        for i in range(saved.get("optimizers", 0) if optimizers else 0):
-            state: dict[str, dict[str, Any]] = {}
-            prefix = f"{_OPTIMIZER}.{i}.state."
-            for stored_key in (k for k in stored if k.startswith(prefix)):
-                name, _, key = stored_key[len(prefix):].rpartition(".")
-                param, meta = params.get(name), stored[stored_key]
-                if param is None:  # another stage's
-                    continue
-                value: Any = None  # a plain value: read as it was written
-                if not isinstance(meta, BytesStorageMetadata):
-                    shape = tuple(meta.size)
-                    # shaped like the weight: this rank's part of it; else (a step count) whole, on the host
-                    value = torch.zeros_like(param) if shape == tuple(param.shape) and key != "step" else torch.zeros(
-                        shape, dtype=meta.properties.dtype, device="cpu")
-                state.setdefault(name, {})[key] = target[stored_key] = value
-            states.append(state)
-            for stage in range(saved["num_stages"]):
-                target[f"{_OPTIMIZER}.{i}.stage{stage}"] = None
+        states = [_optimizer_targets(stored, params, i, saved["num_stages"], target)
+                  for i in range(saved.get("optimizers", 0) if optimizers else 0)]
         try:
             dcp.load(target, checkpoint_id=folder, planner=DefaultLoadPlanner(allow_partial_load=True),
                      process_group=self._objects())
@@ -438,7 +416,7 @@ class StageCheckpoints:
         name_of = self._name_of()
         report = None
         for index, (optimizer, saved) in enumerate(zip(optimizers, states, strict=True)):
-            inner = getattr(optimizer, "_optimizer", optimizer)
+            inner = _compat.unwrapped_optimizer(optimizer)
             try:  # the same collectives on every rank: _full_group_names' only where the checkpoint has no names
                 if "names" in saved and "groups" in saved:
                     named = dict(saved)
@@ -448,7 +426,7 @@ class StageCheckpoints:
                 load_named(inner, named, name_of)
             except PipelineConfigError as error:
                 report = report or f"stage {self.stage} (global rank {self.rank}), optimizer {index}: {error}"
-            _optimizers_to_device([inner], self.device)
+            _compat._optimizers_to_device([inner], self.device)
         failed = gather_reports(report, self.world, self._objects())  # a stage's mismatch fails every rank alike
         if failed:
             raise PipelineCheckpointError(f"The checkpoint's optimizer state does not fit this model's optimizers: "
@@ -466,3 +444,28 @@ class StageCheckpoints:
             dist.all_gather_object(parts, local, group=self._objects())
         order = self.partition.full_param_order
         return [sorted({n for part in parts for n in part[g]}, key=lambda n: order[n]) for g in range(len(local))]
+
+
+def _optimizer_targets(stored: Mapping[str, Any], params: Mapping[str, torch.Tensor], index: int, num_stages: int,
+                       target: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    """Where optimizer ``index``'s state of this rank's parameters is read to (added to ``target``, keyed as stored),
+    by parameter name and state key; and a slot for each stage's parameter names and groups."""
+    from torch.distributed.checkpoint import BytesStorageMetadata
+
+    state: dict[str, dict[str, Any]] = {}
+    prefix = f"{_OPTIMIZER}.{index}.state."
+    for stored_key in (k for k in stored if k.startswith(prefix)):
+        name, _, key = stored_key[len(prefix):].rpartition(".")
+        param, meta = params.get(name), stored[stored_key]
+        if param is None:  # another stage's
+            continue
+        value: Any = None  # a plain value: read as it was written
+        if not isinstance(meta, BytesStorageMetadata):
+            shape = tuple(meta.size)
+            # shaped like the weight: this rank's part of it; else (a step count) whole, on the host
+            value = torch.zeros_like(param) if shape == tuple(param.shape) and key != "step" else torch.zeros(
+                shape, dtype=meta.properties.dtype, device="cpu")
+        state.setdefault(name, {})[key] = target[stored_key] = value
+    for stage in range(num_stages):
+        target[f"{_OPTIMIZER}.{index}.stage{stage}"] = None
+    return state

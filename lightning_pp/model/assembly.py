@@ -15,6 +15,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_pp import _compat
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.model.callbacks import check_callbacks
 from lightning_pp.model.materialize import has_meta_tensors, left_uninitialized, materialize
@@ -36,6 +37,7 @@ from lightning_pp.parallel.topology import (
     create_sharing_groups,
     gather_reports,
 )
+from lightning_pp.run import RunContext
 from lightning_pp.schedule.actions import Schedule
 
 __all__ = ["StageAssembly", "assemble_stage", "check_initialized", "is_assembled",
@@ -128,34 +130,32 @@ def set_aside_example_input(module: Any, rank: int) -> Any:
     return example
 
 
-def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout, rank: int, *, blocks: str | None,
-                   balance: Sequence[int] | None, recompute_every: int, device: torch.device,
-                   new_group: Callable[[list[int]], Any], to_device: Callable[[], None],
-                   place_where_used: bool, sharding: BlockSharding | None = None,
-                   object_group: Any = None) -> StageAssembly:
+def assemble_stage(run: RunContext, module: nn.Module, schedule: Schedule, *, balance: Sequence[int] | None,
+                   to_device: Callable[[], None], sharding: BlockSharding | None = None) -> StageAssembly:
     """Split ``module`` into this rank's stages of ``schedule`` (a later run on the same module keeps what the earlier
-    one trained), create the groups, give what this rank holds of a meta-device build its storage, move it with
-    ``to_device``, and start every rank from the same weights, as DDP starts: outside the blocks, those of the rank
-    holding the same tensor-parallel shard on the first stage (global rank 0 without tensor parallelism); the blocks,
-    replica 0's. (Tensor-parallel ranks start alike by building alike: seed every rank alike, as for Lightning's
-    ``ModelParallelStrategy``.) ``place_where_used``: a training run that places the weights outside the blocks where
-    they are used (``outside_weights="where_used"``); ``sharding``: shard this rank's blocks over the stage's replicas
-    (block by block, so that no rank holds its stage whole at setup) and run the FSDP2 units the module applied
-    itself; ``object_group``: where refusals are agreed on."""
+    one trained; ``balance``: blocks per stage, None for an even split), create the groups, give what this rank holds
+    of a meta-device build its storage, move it with ``to_device``, and start every rank from the same weights, as DDP
+    starts: outside the blocks, those of the rank holding the same tensor-parallel shard on the first stage (global
+    rank 0 without tensor parallelism); the blocks, replica 0's. (Tensor-parallel ranks start alike by building alike:
+    seed every rank alike, as for Lightning's ``ModelParallelStrategy``.) A training run places the weights outside
+    the blocks where they are used (``outside_weights="where_used"``); ``sharding``: shard this rank's blocks over the
+    stage's replicas (block by block, so that no rank holds its stage whole at setup) and run the FSDP2 units the
+    module applied itself."""
+    layout, rank, device, new_group, options = run.layout, run.rank, run.device, run.new_group, run.options
     stage = layout.stage_of(rank)
     earlier = _EARLIER_RUNS.get(module)
     fresh = earlier is None
-    partition = split_module(module, blocks, balance, schedule.stages_of(stage), schedule.num_stages,
+    partition = split_module(module, options.blocks, balance, schedule.stages_of(stage), schedule.num_stages,
                              earlier.partition if earlier is not None else None, schedule.stages_per_rank)
     if earlier is None:
         earlier = _EARLIER_RUNS[module] = _EarlierRun(partition)
         if rank == 0:  # which container was found (or named), and how it was split
             _log_split(partition)
-    if recompute_every:
-        partition.view.checkpoint_blocks(recompute_every)
+    if options.recompute_every:
+        partition.view.checkpoint_blocks(options.recompute_every)
     sharding = sharding if earlier.sharding is None else None  # a later run keeps the earlier run's shards
     if sharding is not None:  # before any collective: a stage that cannot be sharded fails every rank
-        _refuse_unshardable(module, partition, layout, rank, object_group)
+        _refuse_unshardable(module, partition, layout, rank, run.object_group())
     groups = create_groups(layout, rank, new_group, p2p_groups=2 if schedule.stages_per_rank == 1 else 4,
                            last_position=schedule.stage_to_rank[-1])
     if rank == 0 and layout.lanes > 1:
@@ -180,7 +180,8 @@ def assemble_stage(module: nn.Module, schedule: Schedule, layout: PipelineLayout
     shared, shared_buffers = partition.shared_tensors(module)
     _start_alike(module, [*shared, *shared_buffers], groups, device, outside_too=fresh)
     # weights outside the blocks the module sharded over the replicas itself stay on every stage: its units hold them
-    place_where_used = place_where_used and not (earlier.sharding is not None and earlier.sharding.adopted_outside)
+    place_where_used = (run.fitting and layout.num_stages > 1 and options.outside_weights == "where_used"
+                        and not (earlier.sharding is not None and earlier.sharding.adopted_outside))
     if place_where_used and placement is None:
         placement = earlier.placement = WeightPlacement(module, shared, stage, layout.num_stages,
                                                         partition.view.container)
@@ -200,7 +201,7 @@ def _gradients(shared: list[nn.Parameter], placement: WeightPlacement | None, gr
 def _log_split(partition: Partition) -> None:
     view = partition.view
     log.info(f"`{view.container_name}` ({view.ranges[-1].stop} blocks) split into {view.num_stages} stages "
-          f"of {[len(r) for r in view.ranges]} blocks")
+             f"of {[len(r) for r in view.ranges]} blocks")
 
 
 def _refuse_unshardable(module: nn.Module, partition: Partition, layout: PipelineLayout, rank: int,
@@ -294,7 +295,8 @@ def place_outside_weights(assembly: StageAssembly, optimizers: Sequence[Any], de
         dist.all_reduce(flags, op=dist.ReduceOp.MIN)
         return flags.cpu()
 
-    lines = placement.decide(any_rank, every_rank, layout.stage_of, [getattr(o, "_optimizer", o) for o in optimizers])
+    unwrapped = [_compat.unwrapped_optimizer(o) for o in optimizers]
+    lines = placement.decide(any_rank, every_rank, layout.stage_of, unwrapped)
     sharding = assembly.sharding
     if sharding is not None and sharding.shard_blocks:  # data_parallel_mode="fsdp": what can be, sharded like blocks
         assembly.to_shard = units, bare = placement.shardable(every_rank_agrees)
@@ -330,7 +332,7 @@ def shard_outside_weights(assembly: StageAssembly, optimizers: Sequence[Any]) ->
     FSDP2 units over the replicas (their gradients and optimizer state become this rank's shards)."""
     placement, sharding, to_shard = assembly.placement, assembly.sharding, assembly.to_shard
     assert placement is not None and sharding is not None and to_shard is not None
-    replacements = sharding.shard_outside(*to_shard, [getattr(o, "_optimizer", o) for o in optimizers],
+    replacements = sharding.shard_outside(*to_shard, [_compat.unwrapped_optimizer(o) for o in optimizers],
                                           _pipeline_hooks_last)
     assembly.to_shard = None
     placement.replace_weights(replacements)

@@ -26,6 +26,8 @@ from typing import Any
 import torch
 from torch import Tensor, nn
 
+from lightning_pp import _compat
+
 __all__ = ["has_meta_tensors", "left_uninitialized", "materialize"]
 
 
@@ -97,11 +99,11 @@ def _initializers(module: nn.Module, owns_meta: bool, hf_model: Any) -> list[Any
     enclosing Hugging Face model's ``_init_weights``."""
     found = []
     if owns_meta:
-        method = getattr(module, "reset_parameters", None) or getattr(module, "_reset_parameters", None)
-        if callable(method):
+        method = _compat.own_initializer(module)
+        if method is not None:
             found.append(method)
     if hf_model is not None:
-        found.append(lambda: hf_model._init_weights(module))
+        found.append(lambda: _compat.hf_init_weights(hf_model, module))
     return found
 
 

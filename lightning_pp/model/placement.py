@@ -237,6 +237,19 @@ def _runs_on_meta(module: nn.Module, observation: Observation) -> str | None:
     return None
 
 
+@dataclass(frozen=True)
+class _HeldElsewhere:
+    """An unused module's state: its path, a meta-device copy answering for its calls' shapes (None: calling it is
+    refused), its weights' dtypes, this rank's pipeline position and the positions holding its weights."""
+
+    path: str
+    twin: nn.Module | None
+    dtypes: list[torch.dtype] | None
+    position: int
+    holders: tuple[int, ...]
+    kind: str
+
+
 class _Unused(nn.Module):
     """Takes the place of a module outside the blocks whose weights this rank does not hold (see the module doc).
 
@@ -258,7 +271,8 @@ class _Unused(nn.Module):
             self.__dict__[name] = torch.empty_like(p, device="meta").requires_grad_(p.requires_grad)
         self.training = original.training
         self.__dict__["_device"] = next(original.parameters()).device  # where its outputs would have been
-        self.__dict__["_unused"] = (path, twin, dtypes, position, tuple(holders), type(original).__name__)
+        self.__dict__["_unused"] = _HeldElsewhere(path, twin, dtypes, position, tuple(holders),
+                                                  type(original).__name__)
         self.__dict__["_inspected"] = _inspectable(original, path, position, holders)
 
     def __getattr__(self, name: str) -> Any:
@@ -272,24 +286,25 @@ class _Unused(nn.Module):
             raise
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        path, twin, dtypes, position, holders, kind = self.__dict__["_unused"]
+        held: _HeldElsewhere = self.__dict__["_unused"]
         placement: WeightPlacement = self.__dict__["_placement"]
         link = placement.share_through()
         if link is not None:  # an eager pass: the output comes from a rank holding the weights
-            source = placement.global_rank_of(placement.source_of(path, holders))
-            return link.broadcast(None, source, f"the output of `{path}`")
-        if twin is None:
+            source = placement.global_rank_of(placement.source_of(held.path, held.holders))
+            return link.broadcast(None, source, f"the output of `{held.path}`")
+        if held.twin is None:
             raise PipelineConfigError(
-                f"`{path}` ({kind}) was called on pipeline rank {position}, where the first training step did not "
-                f"call it; its weights are kept only on pipeline rank(s) {list(holders)}, which used them. Pass "
-                f"PipelineParallelStrategy(outside_weights=\"everywhere\") to keep every weight outside the blocks on "
-                f"every rank."
+                f"`{held.path}` ({held.kind}) was called on pipeline rank {held.position}, where the first training "
+                f"step did not call it; its weights are kept only on pipeline rank(s) {list(held.holders)}, which "
+                f"used them. Pass PipelineParallelStrategy(outside_weights=\"everywhere\") to keep every weight "
+                f"outside the blocks on every rank."
             )
-        return _shape_only(twin, dtypes, self.__dict__["_device"], self.training, args, kwargs)
+        return _shape_only(held.twin, held.dtypes, self.__dict__["_device"], self.training, args, kwargs)
 
     def extra_repr(self) -> str:
-        _, twin, _, _, holders, kind = self.__dict__["_unused"]
-        return f"{kind} held by pipeline rank(s) {list(holders)}" + (", shape-only stand-in" if twin else "")
+        held: _HeldElsewhere = self.__dict__["_unused"]
+        return (f"{held.kind} held by pipeline rank(s) {list(held.holders)}"
+                + (", shape-only stand-in" if held.twin else ""))
 
 
 def _share_output(placement: WeightPlacement, source: int, path: str, module: nn.Module, args: Any,

@@ -37,9 +37,9 @@ from lightning_pp.monitor.telemetry import PipelineTelemetry
 from lightning_pp.options import PipelineOptions
 from lightning_pp.parallel.ending import SigtermAtStepStart
 from lightning_pp.parallel.grads import add_to_grads
-from lightning_pp.parallel.topology import PipelineLayout
 from lightning_pp.pipedream.step import DelayedUpdates, SigtermAtNextStep, refuse_for_delayed_updates
 from lightning_pp.pipedream.stream import stream_cuts
+from lightning_pp.run import RunContext
 from lightning_pp.runtime.p2p import StageP2P, connect_stages
 from lightning_pp.schedule.actions import Schedule
 
@@ -83,17 +83,16 @@ def _not_on_last_stage(module: pl.LightningModule, schedules: Callable[[int, boo
 
 
 class StageSession:
-    """This rank's stage during one Trainer run. ``object_group()`` is the group for object collectives now (None:
-    the default group); ``new_group(ranks)`` creates a group of the job's backend."""
+    """This rank's stage during one Trainer run (``run``), from its assembly to its teardown."""
 
-    def __init__(self, module: pl.LightningModule, assembly: StageAssembly, schedules: Callable[[int, bool], Schedule],
-                 layout: PipelineLayout, rank: int, device: torch.device, options: PipelineOptions,
-                 microbatches: int, telemetry: PipelineTelemetry, object_group: Callable[[], Any],
-                 new_group: Callable[[list[int]], Any], fitting: bool) -> None:
-        self.module, self.assembly, self.schedules = module, assembly, schedules
-        self.layout, self.rank, self.device, self.telemetry = layout, rank, device, telemetry
-        self.microbatches, self.new_group, self.object_group = microbatches, new_group, object_group
-        self.stage = layout.stage_of(rank)
+    def __init__(self, run: RunContext, module: pl.LightningModule, assembly: StageAssembly,
+                 schedules: Callable[[int, bool], Schedule], telemetry: PipelineTelemetry) -> None:
+        self.module, self.assembly, self.schedules, self.telemetry = module, assembly, schedules, telemetry
+        layout, rank, device, options, fitting = run.layout, run.rank, run.device, run.options, run.fitting
+        self.layout, self.rank, self.device, self.stage = layout, rank, device, run.stage
+        microbatches = self.microbatches = run.microbatches
+        self.new_group, self.object_group = run.new_group, run.object_group
+        object_group = run.object_group
         partition, groups = assembly.partition, assembly.groups
         partition.view.sides.every_block = options.carry_block_outputs
         pipelined = layout.num_stages > 1

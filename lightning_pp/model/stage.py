@@ -20,6 +20,7 @@ import enum
 import functools
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -118,6 +119,18 @@ def _weightless_twin_or_none(block: nn.Module) -> nn.Module | None:
     return twin
 
 
+@dataclass(frozen=True)
+class _Elsewhere:
+    """A stand-in's state: block ``index`` of the view's container, held by stage ``owner``, and what answers for its
+    attributes here (``twin``)."""
+
+    view: StageView
+    index: int
+    owner: int
+    block_type: str
+    twin: nn.Module | None
+
+
 class _StandIn(nn.Module):
     """Takes the place of a block held by another stage: no weights, no compute. Reading an attribute reads it from
     ``twin``, because a model's loop may inspect its blocks: PyTorch's ``nn.TransformerEncoder`` reads
@@ -131,7 +144,7 @@ class _StandIn(nn.Module):
 
     def __init__(self, block: nn.Module, index: int, owner: int, view: StageView, twin: nn.Module | None) -> None:
         super().__init__()
-        self.__dict__["_pipeline"] = (view, index, owner, type(block).__name__, None)
+        self.__dict__["_pipeline"] = _Elsewhere(view, index, owner, type(block).__name__, None)
         self.__dict__["_block_class"] = _compat.unsharded_class(type(block))
         for name, child in twin.named_children() if twin is not None else []:
             self.add_module(name, child)
@@ -140,7 +153,7 @@ class _StandIn(nn.Module):
         elif twin is not None:  # hooks the block and its submodules had (a meta copy has none): the same functions
             for path, module in block.named_modules():
                 _compat.copy_forward_hooks(module, self if not path else twin.get_submodule(path), keep=not_ours)
-        self.__dict__["_pipeline"] = (view, index, owner, type(block).__name__, twin)
+        self.__dict__["_pipeline"] = _Elsewhere(view, index, owner, type(block).__name__, twin)
 
     def __reduce_ex__(self, protocol: Any) -> Any:  # pickled as what it is, not as the class it shows
         return _new_stand_in, (), self.__getstate__()
@@ -150,26 +163,26 @@ class _StandIn(nn.Module):
         return self.__dict__["_block_class"]
 
     def forward(self, *args: Any, **kwargs: Any) -> Any:
-        view, index, owner, _, _ = self.__dict__["_pipeline"]
-        if view.eager_now():
-            return view.eager_stand_in(index, owner, self, args, kwargs)
-        return view.stand_in_output(index, owner, self)
+        held: _Elsewhere = self.__dict__["_pipeline"]
+        if held.view.eager_now():
+            return held.view.eager_stand_in(held.index, held.owner, self, args, kwargs)
+        return held.view.stand_in_output(held.index, held.owner, self)
 
     def __getattr__(self, name: str) -> Any:
         try:
             return super().__getattr__(name)
         except AttributeError:
-            view, index, owner, block_type, twin = self.__dict__["_pipeline"]
-            if twin is not None and name != "forward" and hasattr(twin, name):
-                return getattr(twin, name)
+            held: _Elsewhere = self.__dict__["_pipeline"]
+            if held.twin is not None and name != "forward" and hasattr(held.twin, name):
+                return getattr(held.twin, name)
             raise AttributeError(
-                f"Block {index} of `{view.container_name}` ({block_type}) is held by pipeline stage {owner}; this is "
-                f"stage {view.stage}, where it is a weightless stand-in without `{name}`."
+                f"Block {held.index} of `{held.view.container_name}` ({held.block_type}) is held by pipeline stage "
+                f"{held.owner}; this is stage {held.view.stage}, where it is a weightless stand-in without `{name}`."
             ) from None
 
     def extra_repr(self) -> str:
-        _, _, owner, block_type, _ = self.__dict__["_pipeline"]
-        return f"{block_type} on stage {owner}"
+        held: _Elsewhere = self.__dict__["_pipeline"]
+        return f"{held.block_type} on stage {held.owner}"
 
 
 def _new_stand_in() -> _StandIn:
@@ -285,7 +298,7 @@ class StageView:
         Where the block gets an object besides tensors and plain values (a key/value cache), its weightless copy
         runs on the meta device first, so that the object changes as on one device (a cache's length)."""
         assert self.eager is not None
-        twin = stand_in.__dict__["_pipeline"][4]
+        twin = stand_in.__dict__["_pipeline"].twin
         stateful = _holds_objects((args, kwargs))
         if stateful and twin is None:
             raise PipelineConfigError(

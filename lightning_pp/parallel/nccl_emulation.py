@@ -115,7 +115,7 @@ def wait_for_operations_in_flight(waiter: str) -> None:
             f"after something that waits for this rank's host (a collective, the step's results). Hand the peer what "
             f"it waits for before synchronizing (point to point, as early as it is known), or leave no operation in "
             f"flight across a synchronize; if a stage legitimately needs longer, raise "
-            f"PipelineParallelStrategy(timeout=...).")
+            f"PipelineParallelStrategy(transfer_timeout=...).")
     failed = [(work.what, work._error) for work in works if work._error is not None]
     if failed:
         what, error = failed[0]

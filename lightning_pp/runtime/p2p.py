@@ -498,7 +498,7 @@ class StageP2P:
             f"Pipeline stage {action.stage} (rank {self.stage_ranks[action.stage]}) failed in action {action} while "
             f"{what} with peer stage {peer} (rank {self.stage_ranks[peer]}) (timeout {self.timeout} s): {text}. "
             f"The peer has probably crashed or is stuck: look at its output for the first error. If a stage "
-            f"legitimately needs longer, raise PipelineParallelStrategy(timeout=...)."
+            f"legitimately needs longer, raise PipelineParallelStrategy(transfer_timeout=...)."
         )
 
 

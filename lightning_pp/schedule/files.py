@@ -49,19 +49,7 @@ def load_csv(
         PipelineScheduleError: An action cannot be parsed or the schedule is inconsistent (with the grid).
     """
     file = Path(path)
-    if not file.is_file():
-        raise PipelineConfigError(
-            f"Schedule file {str(file)!r} does not exist. Pass the path of a CSV file with one row of actions per "
-            f"rank (e.g. written by Schedule.to_csv), or the name of a generator: {', '.join(sorted(GENERATORS))}."
-        )
-    rows: list[list[Action]] = []
-    with open(file, newline="") as handle:
-        for row in csv.reader(handle):
-            cells = [cell.strip() for cell in row]
-            actions = [Action.parse(cell) for cell in cells if cell and not cell.endswith(_TORCH_BOOKKEEPING)]
-            rows.append([action for action in actions if action.is_compute])
-    while rows and not rows[-1]:  # trailing empty lines
-        rows.pop()
+    rows = _compute_rows(file)
     if not rows:
         raise PipelineConfigError(
             f"Schedule file {str(file)!r} holds no compute actions; write one row of actions per rank."
@@ -88,3 +76,21 @@ def load_csv(
             f"pass stages_per_rank={found} (or leave it out)."
         )
     return finish_schedule(str(file), rows, num_microbatches, forward_only)
+
+
+def _compute_rows(file: Path) -> list[list[Action]]:
+    """The compute actions of each row of ``file`` (trailing empty rows dropped)."""
+    if not file.is_file():
+        raise PipelineConfigError(
+            f"Schedule file {str(file)!r} does not exist. Pass the path of a CSV file with one row of actions per "
+            f"rank (e.g. written by Schedule.to_csv), or the name of a generator: {', '.join(sorted(GENERATORS))}."
+        )
+    rows: list[list[Action]] = []
+    with open(file, newline="") as handle:
+        for row in csv.reader(handle):
+            cells = [cell.strip() for cell in row]
+            actions = [Action.parse(cell) for cell in cells if cell and not cell.endswith(_TORCH_BOOKKEEPING)]
+            rows.append([action for action in actions if action.is_compute])
+    while rows and not rows[-1]:  # trailing empty lines
+        rows.pop()
+    return rows

@@ -30,6 +30,7 @@ from lightning_pp.model.blocks import find_blocks
 from lightning_pp.options import PipelineOptions
 from lightning_pp.parallel.device import synchronize_device
 from lightning_pp.parallel.topology import PipelineLayout
+from lightning_pp.run import RunContext
 from lightning_pp.runtime.microbatch import batch_size, split_batch
 from lightning_pp.tuning.balance import measure_block_costs, probe_first_batch, why_not_time
 from lightning_pp.tuning.search import MAX_MICROBATCHES, Candidate, MeasuredCosts, search
@@ -44,27 +45,25 @@ _FRAMEWORK_S = {"cpu": 100e-6, "cuda": 30e-6}
 _SHOWN = 5  # candidates printed
 
 
-def choose_configuration(options: PipelineOptions, module: pl.LightningModule, trainer: pl.Trainer, *,
-                         layout: PipelineLayout, rank: int, device: torch.device, precision: Precision,
-                         collective: Callable[[str], AbstractContextManager[None]],
-                         object_group: Any) -> tuple[PipelineOptions, Candidate | None]:
-    """``options`` with ``schedule="auto"`` made concrete (the same on every rank), and the chosen candidate (None:
-    nothing could be measured: the default configuration, which a later run of the same module keeps, as it keeps
-    the split)."""
+def choose_configuration(run: RunContext, module: pl.LightningModule) -> tuple[PipelineOptions, Candidate | None]:
+    """The run's options with ``schedule="auto"`` made concrete (the same on every rank), and the chosen candidate
+    (None: nothing could be measured: the default configuration, which a later run of the same module keeps, as it
+    keeps the split)."""
+    options, trainer, layout, rank, device = run.options, run.trainer, run.layout, run.rank, run.device
     reason = why_not_time(trainer, module)
     outcome: list[tuple[str, Any]] = [("default", reason)]  # ("chosen", Candidate), ("default", why), ("failed", why)
-    link = _measure_link(layout, rank, device, collective) if reason is None else (0.0, 0.0)
+    link = _measure_link(layout, rank, device, run.collective) if reason is None else (0.0, 0.0)
     error: Exception | None = None
     if rank == 0 and reason is None:
         try:
-            chosen_here = _search_on_rank_zero(options, module, trainer, layout, device, precision, link)
+            chosen_here = _search_on_rank_zero(options, module, trainer, layout, device, run.precision, link)
             outcome[0] = ("chosen", chosen_here) if isinstance(chosen_here, Candidate) else ("default", chosen_here)
         except Exception as caught:  # every rank raises it, below
             error = caught
             outcome[0] = ("failed", f"{type(caught).__name__}: {caught}")
     if layout.world_size > 1:
-        with collective("the broadcast of schedule='auto''s choice"):
-            dist.broadcast_object_list(outcome, src=0, group=object_group)
+        with run.collective("the broadcast of schedule='auto''s choice"):
+            dist.broadcast_object_list(outcome, src=0, group=run.object_group())
     kind, chosen = outcome[0]
     if kind == "failed":
         raise PipelineConfigError(f"schedule='auto' could not choose a configuration ({chosen}). Name a schedule "

@@ -38,9 +38,8 @@ from lightning_pp.errors import PipelineConfigError
 from lightning_pp.model.assembly import is_assembled
 from lightning_pp.model.blocks import find_blocks
 from lightning_pp.model.materialize import has_meta_tensors
-from lightning_pp.options import PipelineOptions
 from lightning_pp.parallel.device import synchronize_device
-from lightning_pp.parallel.topology import PipelineLayout
+from lightning_pp.run import RunContext
 from lightning_pp.runtime.microbatch import batch_size, split_batch
 from lightning_pp.schedule.partition import min_max_partition, stage_costs, uniform_balance
 
@@ -603,16 +602,16 @@ def _report_time_split(measured: BlockCosts, values: list[float], split: list[in
           f"after {1e3 * values[-1]:.2f} ms)")
 
 
-def balance_for(options: PipelineOptions, module: Any, trainer: Any, num_ranks: int, microbatches: int,
-                device: torch.device, precision: Any, layout: PipelineLayout, rank: int,
-                collective: Callable[[str], AbstractContextManager[None]], object_group: Any) -> list[int] | None:
+def balance_for(run: RunContext, module: Any) -> list[int] | None:
     """Blocks per stage for the split: the user's list, ``None`` for an even split, or what ``balance="params"`` /
     ``"time"`` give (alike on every rank: ``"time"`` measures on global rank 0 and broadcasts). Nothing is measured
     for a module an earlier run split (that split is kept) or for a single stage."""
-    num_stages = num_ranks * (options.stages_per_rank or 1)
+    options = run.options
+    num_stages = run.layout.num_stages * (options.stages_per_rank or 1)
     if options.balance_by not in ("params", "time") or num_stages == 1 or is_assembled(module):
         return options.balance_list
-    return resolve_balance(options.balance_by, module, options.blocks, num_stages, trainer, device=device,
-                           microbatches=microbatches, precision=precision, recompute_every=options.recompute_every,
-                           global_rank=rank, world_size=layout.world_size, collective=collective,
-                           object_group=object_group, stages_per_rank=options.stages_per_rank or 1)
+    return resolve_balance(options.balance_by, module, options.blocks, num_stages, run.trainer, device=run.device,
+                           microbatches=run.microbatches, precision=run.precision,
+                           recompute_every=options.recompute_every, global_rank=run.rank,
+                           world_size=run.layout.world_size, collective=run.collective,
+                           object_group=run.object_group(), stages_per_rank=options.stages_per_rank or 1)
