@@ -9,7 +9,7 @@ Under ``trainer.init_module(empty_init=True)`` the module is built on the meta d
 its stage uses) and initializes it with the model's own code (Hugging Face's ``_init_weights``); with
 ``data_parallel_mode="fsdp"`` each layer then becomes an FSDP2 unit over the stage's replicas, so that between steps
 a replica keeps half of its stage's weights, gradients and AdamW state. Ranks are laid out as ``rank = stage x 2 +
-replica``: ranks 0 and 1 hold stage 0, ranks 2 and 3 stage 1. At the end every rank prints what it holds.
+replica``: ranks 0 and 1 hold stage 0, ranks 2 and 3 stage 1. At the end rank 0 prints what each rank holds.
 
 A meta-built model starts from values drawn per module from the job's seed, not from a checkpoint: to fine-tune
 pretrained weights this way, save them once as a Lightning checkpoint and pass it to ``fit(ckpt_path=...)`` (weights
@@ -102,16 +102,19 @@ def main() -> None:
     # Lightning's DistributedSampler shards the data over the replicas only: both stages of a pipeline load the same
     trainer.fit(model, DataLoader(token_data(2048, args.seq_len), batch_size=args.batch_size, shuffle=True))
 
-    held = held_elements(model)
-    print(f"rank {trainer.global_rank} (stage {strategy.stage}, replica {strategy.replica}): holds {held:,} of the "
-          f"model's {whole:,} parameters ({held / whole:.0%})", flush=True)
+    holdings: list[Any] = [None] * trainer.world_size  # (rank, stage, replica, elements) of every rank, on every rank
+    torch.distributed.all_gather_object(holdings, (trainer.global_rank, strategy.stage, strategy.replica,
+                                                   held_elements(model)))
     if trainer.is_global_zero:
-        print(f"final train_loss {float(trainer.callback_metrics['train_loss']):.3f}", flush=True)
+        for rank, stage, replica, held in holdings:
+            print(f"rank {rank} (stage {stage}, replica {replica}): holds {held:,} of the model's {whole:,} "
+                  f"parameters ({held / whole:.0%})")
+        print(f"final train_loss {float(trainer.callback_metrics['train_loss']):.3f}")
     if args.save_dir is not None:
         path = args.save_dir / "model.ckpt"
         trainer.save_checkpoint(path, weights_only=False)  # every rank takes part; with the optimizer: resumable
         if trainer.is_global_zero:
-            print(f"saved {path} ({args.state_dict_type})", flush=True)
+            print(f"saved {path} ({args.state_dict_type})")
 
 
 if __name__ == "__main__":
