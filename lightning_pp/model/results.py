@@ -47,7 +47,7 @@ from torch import Tensor
 
 from lightning_pp._compat import tree_flatten, tree_unflatten
 from lightning_pp.model.logs import LogRecord, RecordLayout, join_records, split_records
-from lightning_pp.parallel.nccl_emulation import emulating_nccl
+from lightning_pp.parallel.nccl_emulation import follows_nccl
 from lightning_pp.parallel.topology import StageGroups
 from lightning_pp.runtime.wire import pack, packed_size, unpack
 
@@ -153,7 +153,7 @@ class ResultExchange:
     def __init__(self, groups: StageGroups, host_group: Any = None) -> None:
         # NCCL, and its emulation (which must decide alike): not on the lane's NCCL group, where a broadcast at the
         # step's end would wait for the last stage and queue behind (or ahead of) the pipeline's pending transfers
-        on_nccl = dist.get_backend(groups.pipeline) != "gloo" or emulating_nccl()
+        on_nccl = follows_nccl(groups.pipeline)
         group = host_group if on_nccl else groups.pipeline
         if group is None or dist.get_backend(group) != "gloo":
             raise ValueError(

@@ -30,12 +30,13 @@ import os
 import threading
 import time
 from datetime import timedelta
+from typing import Any
 
 import torch.distributed as dist
 
 from lightning_pp.errors import PipelineCommError, PipelineTimeoutError
 
-__all__ = ["ENV_VAR", "EmulatedNcclWork", "emulating_nccl", "wait_for_operations_in_flight"]
+__all__ = ["ENV_VAR", "EmulatedNcclWork", "emulating_nccl", "follows_nccl", "wait_for_operations_in_flight"]
 
 ENV_VAR = "LIGHTNING_PP_NCCL_EMULATION"
 
@@ -43,6 +44,12 @@ ENV_VAR = "LIGHTNING_PP_NCCL_EMULATION"
 # waits for (a dict as an ordered set)
 _in_flight: dict[EmulatedNcclWork, None] = {}
 _in_flight_lock = threading.Lock()
+
+
+def follows_nccl(group: Any) -> bool:
+    """Whether transfers over ``group`` follow NCCL's control flow: a group of another backend than gloo (NCCL on
+    GPUs), or a gloo group under the emulation. The one place this is decided, so every part decides alike."""
+    return dist.get_backend(group) != "gloo" or emulating_nccl()
 
 
 def emulating_nccl() -> bool:

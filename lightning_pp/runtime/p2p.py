@@ -46,7 +46,7 @@ import torch.distributed as dist
 from torch.distributed.tensor import DTensor, Partial, Replicate, Shard
 
 from lightning_pp.errors import PipelineCommError, PipelineConfigError, PipelineTimeoutError
-from lightning_pp.parallel.nccl_emulation import EmulatedNcclWork, emulating_nccl
+from lightning_pp.parallel.nccl_emulation import EmulatedNcclWork, emulating_nccl, follows_nccl
 from lightning_pp.parallel.topology import StageGroups, create_device_mesh, create_groups
 from lightning_pp.runtime.wire import (
     Layout,
@@ -180,7 +180,7 @@ class StageP2P:
         self._emulate = emulating_nccl() and dist.get_backend(groups[0]) == "gloo"
         # NCCL's Work.wait does not block the host, so bound its wait by polling; gloo's wait takes a timeout itself
         # (and so do the headers' gloo groups on NCCL, whose operations report completion only once waited for)
-        self._poll = dist.get_backend(groups[0]) != "gloo" or self._emulate
+        self._poll = follows_nccl(groups[0])
         # headers on the host (gloo) may be received ahead; NCCL receives are posted when their action runs
         self._prefetch = 0 if self._poll and self.header_groups is None else prefetch
         # (source stage, destination stage, micro-batch) -> layout and structure of the last transfer; both ends agree
@@ -512,7 +512,7 @@ def connect_stages(groups: StageGroups, stage_to_rank: Sequence[int], device: to
     stage_ranks = [groups.pipeline_ranks[position] for position in stage_to_rank]
     header_groups = None
     results_group = None
-    if dist.get_backend(groups.p2p[0]) != "gloo" or emulating_nccl():
+    if follows_nccl(groups.p2p[0]):
         for group in groups.p2p:
             dist.all_reduce(torch.zeros(1, device=device), group=group)
         on_host = create_groups(groups.layout, groups.rank, new_gloo_group, p2p_groups=len(groups.p2p))
