@@ -7,11 +7,21 @@ the launching process is killed outright (no ``finally`` runs), a small reaper p
 each rank is SIGKILLed by the kernel (see ``_worker.py``). Launch timeouts stay well below pytest's per-test timeout
 (pyproject) so that a stuck job fails here, with the ranks' logs, and never inside pytest's own error reporting.
 
+Warm ranks: starting a rank (Python, torch, Lightning) takes 10-20 s on a busy 2-core machine, most of a small job.
+Within a pytest session (`worker_pools`, opened by conftest.py), `launch` runs each job on the ranks of a pool kept
+per (world size, environment), as torch's ``MultiProcContinuousTest`` does: they stay alive between jobs and each job
+starts in what a fresh process would hold (``_worker.py``: the launcher's environment, the random generators, signal
+handlers, logging and warning filters as after the imports; the default process group ended after each job). A pool
+takes the next job only when every rank ran the last one through and left nothing running; a job that fails, dies,
+times out or is interrupted closes its pool (SIGKILL, as above) and the next job starts a new one. Jobs that need a
+fresh process (`FRESH_SCENARIOS`, ``launch(fresh=True)``) and ``launch_torchrun`` start their own processes.
+``LPP_TEST_FRESH_PROCESSES=1`` starts fresh processes for every job.
+
 Ports: as under torchrun, the launching process hosts the rendezvous store (``TORCHELASTIC_USE_AGENT_STORE``) and every
-rank connects to it as a client. The store is bound to its port from before the ranks start until they are dead, so no
-other process can take the port in between (choosing a free port and releasing it for rank 0 to bind is a race), and a
-job never rendezvouses with another job's store. One store per run, so a run that re-initialises the process group
-starts from empty keys.
+rank connects to it as a client. The store is bound to its port from before the ranks start until they are dead (or,
+with a pool, until the job is over), so no other process can take the port in between (choosing a free port and
+releasing it for rank 0 to bind is a race), and a job never rendezvouses with another job's store. One store per run,
+so a run that re-initialises the process group starts from empty keys.
 
 ``launch_torchrun`` starts the ranks through torchrun itself, one torchrun agent per simulated node, so that Lightning
 sees a real TorchElastic job (``RANK``, ``GROUP_RANK``, ``LOCAL_WORLD_SIZE``, the agent's store); see its docstring for
@@ -23,12 +33,16 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
+from collections import Counter
+from collections.abc import Iterator
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -101,33 +115,76 @@ def _check_timeout(caller: str, timeout: float) -> None:
                          "(pyproject) must not fire first; keep a test's launches together under it too")
 
 
-def launch(world_size: int, runs: list[dict[str, Any]], timeout: float = DEFAULT_TIMEOUT_S) -> list[RankResult]:
-    """Run ``runs`` (each ``{"scenario": name, "kwargs": {...}}``) on ``world_size`` fresh processes.
+def _rank_env(world_size: int, rank: int, port: int | None) -> dict[str, str]:
+    """What a rank of `launch` finds in its environment on top of the launching process's."""
+    env = dict(os.environ, MASTER_ADDR="127.0.0.1", TORCHELASTIC_USE_AGENT_STORE="True", WORLD_SIZE=str(world_size),
+               NODE_RANK="0", LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+    if port is not None:
+        env["MASTER_PORT"] = str(port)
+    return env
+
+
+def _stores(world_size: int, runs: list[dict[str, Any]], timeout: float) -> list[TCPStore]:
+    """One rendezvous store per run, bound here until the job ends (see the module docstring)."""
+    return [TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timedelta(seconds=timeout),
+                     wait_for_workers=False) for _ in runs]
+
+
+def _start_reaper() -> subprocess.Popen[str]:
+    return subprocess.Popen([sys.executable, "-I", "-c", _REAPER], stdin=subprocess.PIPE, text=True)
+
+
+def _end_reaper(reaper: subprocess.Popen[str]) -> None:
+    """Tell the reaper the launcher has ended its processes itself, and reap it."""
+    # OSError: the reaper may be gone already (killed with this process's group); ValueError: told already
+    with contextlib.suppress(OSError, ValueError):
+        assert reaper.stdin is not None
+        reaper.stdin.write("done\n")
+        reaper.stdin.close()
+    reaper.wait()
+
+
+def _timeout_error(what: str, timeout: float, ranks: list[RankResult], pids: list[int]) -> LaunchTimeoutError:
+    logs_text = "\n".join(f"--- rank {r} ---\n{res.output[-3000:]}" for r, res in enumerate(ranks))
+    return LaunchTimeoutError(f"{what} did not finish within {timeout} s:\n{logs_text}", pids)
+
+
+def launch(world_size: int, runs: list[dict[str, Any]], timeout: float = DEFAULT_TIMEOUT_S, *,
+           fresh: bool = False) -> list[RankResult]:
+    """Run ``runs`` (each ``{"scenario": name, "kwargs": {...}}``) on ``world_size`` ranks: the warm ranks of the
+    session's worker pool for ``world_size`` and this environment, or ``world_size`` fresh processes with ``fresh``,
+    for a scenario in `FRESH_SCENARIOS`, outside pytest (no `worker_pools`) or with ``LPP_TEST_FRESH_PROCESSES=1``.
+    The results are the same either way (see the module docstring).
 
     Raises:
         ValueError: ``timeout`` is not positive or exceeds ``MAX_TIMEOUT_S``.
         LaunchTimeoutError: the job ran longer than ``timeout`` seconds (its processes are killed first).
     """
     _check_timeout("launch", timeout)
+    pools = _pools
+    if (pools is None or fresh or any(run["scenario"] in FRESH_SCENARIOS for run in runs)
+            or threading.current_thread() is not threading.main_thread()):  # see _Pool (the kernel's parent death)
+        return _launch_fresh(world_size, runs, timeout)
+    return pools.launch(world_size, runs, timeout)
+
+
+def _launch_fresh(world_size: int, runs: list[dict[str, Any]], timeout: float) -> list[RankResult]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
-        stores = [TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timedelta(seconds=timeout),
-                           wait_for_workers=False) for _ in runs]
+        stores = _stores(world_size, runs, timeout)
         spec = out / "spec.json"
         spec.write_text(json.dumps({"out_dir": str(out), "runs": runs, "ports": [store.port for store in stores],
                                     "launcher_pid": os.getpid()}))
-        reaper = subprocess.Popen([sys.executable, "-I", "-c", _REAPER], stdin=subprocess.PIPE, text=True)
+        reaper = _start_reaper()
         assert reaper.stdin is not None
         procs: list[subprocess.Popen[bytes]] = []
         logs: list[IO[str]] = []
         timed_out = False
         try:
             for rank in range(world_size):
-                env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(stores[0].port),
-                           TORCHELASTIC_USE_AGENT_STORE="True", WORLD_SIZE=str(world_size), NODE_RANK="0",
-                           LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
                 logs.append(open(out / f"rank{rank}.log", "w"))  # noqa: SIM115 - closed below
-                procs.append(subprocess.Popen([sys.executable, str(WORKER), str(spec)], env=env, stdout=logs[-1],
+                procs.append(subprocess.Popen([sys.executable, str(WORKER), str(spec)],
+                                              env=_rank_env(world_size, rank, stores[0].port), stdout=logs[-1],
                                               stderr=subprocess.STDOUT, start_new_session=True))
                 reaper.stdin.write(f"{procs[-1].pid}\n")  # its process group id: it leads a new session
                 reaper.stdin.flush()
@@ -140,20 +197,196 @@ def launch(world_size: int, runs: list[dict[str, Any]], timeout: float = DEFAULT
                     break
         finally:  # also when this process is interrupted (pytest's timeout, Ctrl-C) or Popen failed
             _kill_job(procs)
-            with contextlib.suppress(OSError):  # the reaper may be gone already (killed with this process's group)
-                reaper.stdin.write("done\n")
-                reaper.stdin.close()
-            reaper.wait()
+            _end_reaper(reaper)
             for log in logs:
                 log.close()
             del stores
         ranks = [_read_rank(out, rank, len(runs), proc.returncode, (out / f"rank{rank}.log").read_text())
                  for rank, proc in enumerate(procs)]
         if timed_out:
-            logs_text = "\n".join(f"--- rank {r} ---\n{res.output[-3000:]}" for r, res in enumerate(ranks))
-            raise LaunchTimeoutError(f"multi-process job did not finish within {timeout} s:\n{logs_text}",
-                                     [proc.pid for proc in procs])
+            raise _timeout_error("multi-process job", timeout, ranks, [proc.pid for proc in procs])
         return ranks
+
+
+# ------------------------------------------------------------------------------------------------ warm worker pools
+
+# scenarios whose job always runs on fresh processes, and why
+FRESH_SCENARIOS = {
+    "meta_memory": "measures how far a fresh process's resident memory rises",
+    "sigterm_during_fit": "a real SIGTERM to a rank, handled by the handlers a fresh process installs",
+    "teardown_scenarios:sigterm_every_rank": "a real SIGTERM to every rank",
+}
+# what the launching process's environment may hold that a rank's imports do not read: set per job, not per pool
+_PER_JOB_ENV = ("PYTEST_CURRENT_TEST", "PL_GLOBAL_SEED", "PL_SEED_WORKERS", "TORCHINDUCTOR_CACHE_DIR",
+                "PYTORCH_NVML_BASED_CUDA_CHECK", "MASTER_ADDR", "MASTER_PORT")
+POOL_PROCESSES = int(os.environ.get("LPP_TEST_POOL_PROCESSES", "6"))  # warm ranks kept, all pools together
+
+
+class _Pool:
+    """``world_size`` ranks (``_worker.py --serve``) that run one job after another. Each leads a session of its own,
+    is handed to a reaper and dies with the launching thread (``PR_SET_PDEATHSIG``: pools are used from the main
+    thread only), as in `launch`; `close` SIGKILLs every rank's process group."""
+
+    def __init__(self, world_size: int) -> None:
+        self.world_size = world_size
+        self.jobs = 0
+        self._dir = Path(tempfile.mkdtemp(prefix="lpp-pool-"))
+        self._reaper = _start_reaper()
+        self.procs: list[subprocess.Popen[bytes]] = []
+        self._logs: list[IO[str]] = []
+        try:
+            for rank in range(world_size):
+                self._logs.append(open(self._dir / f"rank{rank}.log", "w"))  # noqa: SIM115 - closed in close
+                self.procs.append(subprocess.Popen(
+                    [sys.executable, str(WORKER), "--serve", str(os.getpid())], stdin=subprocess.PIPE,
+                    env=_rank_env(world_size, rank, None), stdout=self._logs[-1], stderr=subprocess.STDOUT,
+                    start_new_session=True))
+                assert self._reaper.stdin is not None
+                self._reaper.stdin.write(f"{self.procs[-1].pid}\n")
+                self._reaper.stdin.flush()
+        except BaseException:
+            self.close()
+            raise
+
+    def alive(self) -> bool:
+        return all(proc.poll() is None for proc in self.procs)
+
+    def run(self, runs: list[dict[str, Any]], timeout: float, deadline: float, out: Path
+            ) -> tuple[list[RankResult], str | None]:
+        """The job's ranks, and why the pool cannot take another job (None: it can). The caller closes it then, and
+        on any exception (a timeout included: `LaunchTimeoutError`)."""
+        stores = _stores(self.world_size, runs, timeout)
+        try:
+            spec = out / "spec.json"
+            spec.write_text(json.dumps({"out_dir": str(out), "runs": runs, "ports": [s.port for s in stores],
+                                        "envs": [_rank_env(self.world_size, rank, stores[0].port)
+                                                 for rank in range(self.world_size)]}))
+            for proc in self.procs:
+                assert proc.stdin is not None
+                with contextlib.suppress(OSError):  # a rank that died idle: seen as ended below
+                    proc.stdin.write(f"{spec}\n".encode())
+                    proc.stdin.flush()
+            self.jobs += 1
+            ended: dict[int, str] = {}  # rank -> "clean", why it is unfit, or "exited"
+            while len(ended) < self.world_size:
+                for rank, proc in enumerate(self.procs):
+                    if rank in ended:
+                        continue
+                    done = out / f"rank{rank}.done"
+                    if done.exists():
+                        ended[rank] = done.read_text()
+                    elif proc.poll() is not None:
+                        ended[rank] = "exited"
+                if len(ended) < self.world_size:
+                    if time.monotonic() > deadline:
+                        self.close()
+                        ranks = self._ranks(out, runs, ended)
+                        raise _timeout_error("multi-process job", timeout, ranks, [p.pid for p in self.procs])
+                    time.sleep(0.02)
+        finally:
+            del stores
+        ranks = self._ranks(out, runs, ended)
+        unfit = sorted({why for why in ended.values() if why != "clean"})
+        exited = sorted(rank for rank, why in ended.items() if why == "exited")
+        return ranks, (f"ranks {exited} ended" if exited else "; ".join(unfit) or None)
+
+    def _ranks(self, out: Path, runs: list[dict[str, Any]], ended: dict[int, str]) -> list[RankResult]:
+        ranks = []
+        for rank, proc in enumerate(self.procs):
+            log = out / f"rank{rank}.log"
+            # a rank that died before it took the job: what it said while starting
+            output = (log if log.exists() else self._dir / f"rank{rank}.log").read_text(errors="replace")
+            returncode = 0 if ended.get(rank, "exited") != "exited" else proc.poll()
+            ranks.append(_read_rank(out, rank, len(runs), returncode, output))
+        return ranks
+
+    def close(self) -> None:
+        _kill_job(self.procs)
+        _end_reaper(self._reaper)
+        for proc in self.procs:
+            if proc.stdin is not None:
+                with contextlib.suppress(OSError):
+                    proc.stdin.close()
+        for log in self._logs:
+            log.close()
+        shutil.rmtree(self._dir, ignore_errors=True)
+
+
+class WorkerPools:
+    """The warm ranks of a pytest session (see `worker_pools`): a `_Pool` per (world size, environment), at most
+    ``max_processes`` ranks in all (the least recently used pools close first). A pool takes the next job only when
+    every rank of its last job ran it through and left nothing running (`_worker.py`'s ``tidy``); otherwise, and
+    when a job times out or the launching process is interrupted, it is closed (SIGKILLed) and the next job of its
+    kind starts a new one."""
+
+    def __init__(self, max_processes: int = POOL_PROCESSES) -> None:
+        self.max_processes = max_processes
+        self._pools: dict[tuple[int, tuple[tuple[str, str], ...]], _Pool] = {}
+        self.started = self.warm_jobs = self.jobs = 0
+        self.closed_because: list[str] = []
+
+    def launch(self, world_size: int, runs: list[dict[str, Any]], timeout: float) -> list[RankResult]:
+        deadline = time.monotonic() + timeout  # a pool's start counts, as a fresh job's does
+        key = (world_size, tuple(sorted((k, v) for k, v in os.environ.items() if k not in _PER_JOB_ENV)))
+        pool = self._pools.pop(key, None)
+        if pool is not None and not pool.alive():
+            self._close(pool, "a rank died between jobs")
+            pool = None
+        if pool is None:
+            while self._pools and sum(p.world_size for p in self._pools.values()) + world_size > self.max_processes:
+                self._close(self._pools.pop(next(iter(self._pools))), None)  # the least recently used
+            pool = _Pool(world_size)
+            self.started += 1
+        self.jobs += 1
+        self.warm_jobs += pool.jobs > 0
+        unfit: str | None = "the launching process was interrupted"
+        try:
+            with tempfile.TemporaryDirectory() as tmp:
+                ranks, unfit = pool.run(runs, timeout, deadline, Path(tmp))
+        except LaunchTimeoutError:
+            unfit = "a job timed out"
+            raise
+        finally:
+            if unfit is None and world_size <= self.max_processes:
+                self._pools[key] = pool  # the most recently used: last
+            else:
+                self._close(pool, unfit)
+        return ranks
+
+    def _close(self, pool: _Pool, why: str | None) -> None:
+        pool.close()
+        if why is not None:
+            self.closed_because.append(why)
+
+    def close(self) -> None:
+        while self._pools:
+            self._close(self._pools.popitem()[1], None)
+
+    def summary(self) -> str:
+        reasons = "; ".join(f"{n} x {why}" for why, n in Counter(self.closed_because).most_common())
+        return (f"worker pools: {self.jobs} jobs, {self.warm_jobs} on warm ranks, {self.started} pools started"
+                + (f" ({len(self.closed_because)} closed after a job: {reasons})" if reasons else ""))
+
+
+_pools: WorkerPools | None = None
+
+
+@contextlib.contextmanager
+def worker_pools(max_processes: int = POOL_PROCESSES) -> Iterator[WorkerPools | None]:
+    """Within the block, `launch` runs jobs on warm ranks of pools of its own (conftest.py opens them for the pytest
+    session; a test may open its own within), every rank SIGKILLed on the way out. With
+    ``LPP_TEST_FRESH_PROCESSES=1`` (or ``max_processes=0``) it changes nothing and yields None."""
+    global _pools
+    if os.environ.get("LPP_TEST_FRESH_PROCESSES", "") not in ("", "0") or max_processes <= 0:
+        yield None
+        return
+    outer, _pools = _pools, WorkerPools(max_processes)
+    pools = _pools
+    try:
+        yield pools
+    finally:
+        _pools = outer
+        pools.close()
 
 
 def run_script(args: list[str], timeout: float, **popen: Any) -> subprocess.CompletedProcess[str]:
@@ -225,7 +458,7 @@ def _torchrun_attempt(nnodes: int, nproc_per_node: int, runs: list[dict[str, Any
                        wait_for_workers=False) for _ in runs[1:]]
     env = {k: v for k, v in os.environ.items() if k not in _JOB_ENV}
     env.update(OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-    reaper = subprocess.Popen([sys.executable, "-I", "-c", _REAPER], stdin=subprocess.PIPE, text=True)
+    reaper = _start_reaper()
     assert reaper.stdin is not None
     agents: list[subprocess.Popen[bytes]] = []
     logs: list[IO[str]] = []
@@ -269,10 +502,7 @@ def _torchrun_attempt(nnodes: int, nproc_per_node: int, runs: list[dict[str, Any
             with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(group, signal.SIGKILL)
         _kill_job(agents)
-        with contextlib.suppress(OSError):
-            reaper.stdin.write("done\n")
-            reaper.stdin.close()
-        reaper.wait()
+        _end_reaper(reaper)
         for log in logs:
             log.close()
         del stores

@@ -1,14 +1,33 @@
-"""One compute thread in the test process too, like every rank: single-device references then sum in the same order."""
+"""One compute thread in the test process too, like every rank: single-device references then sum in the same order.
+Multi-process jobs run on warm ranks kept for the session (see _launch.py)."""
 
 import os
 from collections.abc import Iterator
 
 import pytest
 import torch
+from _launch import worker_pools
 
 # the shared helpers (see support.py) assert as a test module does: pytest reports the values that differ
 pytest.register_assert_rewrite("support")
 torch.set_num_threads(1)
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _warm_ranks() -> Iterator[None]:
+    """`launch` reuses the ranks of earlier jobs of its world size (started on first use, SIGKILLed at the end)."""
+    with worker_pools() as pools:
+        yield
+    if pools is not None:
+        _summaries.append(pools.summary())
+
+
+_summaries: list[str] = []
+
+
+def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
+    for line in _summaries:
+        terminalreporter.write_line(line)
 
 
 @pytest.fixture(autouse=True)
