@@ -295,3 +295,26 @@ def test_the_package_logs_through_its_logger_never_print(monkeypatch: pytest.Mon
     monkeypatch.setattr(root, "handlers", [logging.NullHandler()])
     assert not shown(logging.INFO, 0) and not shown(logging.ERROR, 1)
     assert lightning_pp.__version__ == __import__("importlib.metadata").metadata.version("lightning_pp")
+
+
+def test_timeout_is_the_process_groups(monkeypatch: pytest.MonkeyPatch) -> None:
+    """``timeout=timedelta(...)`` reaches the process group's start (Lightning's ``_init_dist_connection``), as in
+    Lightning's own strategies."""
+    import lightning as L
+    from models import MLPClassifier, make_data
+
+    from lightning_pp import _compat
+
+    seen: list[timedelta] = []
+    start = _compat._init_dist_connection
+
+    def recording(*args: object, timeout: timedelta, **kwargs: object) -> None:
+        seen.append(timeout)
+        start(*args, timeout=timeout, **kwargs)
+
+    monkeypatch.setattr(_compat, "_init_dist_connection", recording)
+    strategy = PipelineParallelStrategy(timeout=timedelta(minutes=7))
+    trainer = L.Trainer(accelerator="cpu", devices=1, strategy=strategy, max_steps=1, logger=False,
+                        enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False)
+    trainer.fit(MLPClassifier(), make_data("mlp"))
+    assert seen == [timedelta(minutes=7)]
