@@ -128,8 +128,8 @@ def _pids(ranks: list) -> list[int]:
 def test_warm_ranks_start_each_job_as_fresh_processes_do(monkeypatch: pytest.MonkeyPatch) -> None:
     """A job on warm ranks finds what a fresh process finds, whatever the job before left (the environment, a process
     group, signal handlers, the working directory, torch's and logging's settings), the generators as the job before
-    found them, and the launcher's environment of its own launch; a job whose rank fails, or that leaves a thread running, is the last
-    its ranks run."""
+    found them, and the launcher's environment of its own launch; a job whose rank fails, or that leaves a thread
+    running, is the last its ranks run."""
     probe = [{"scenario": "launch_scenarios:probe"}]
     with worker_pools(max_processes=2) as pools:  # this test's own pool (None with LPP_TEST_FRESH_PROCESSES=1)
         first = launch(2, probe)
