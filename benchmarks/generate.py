@@ -1,14 +1,17 @@
 """Time per generated token: Hugging Face ``generate`` in ``predict_step`` on one device against the pipeline.
 
-Run ``python benchmarks/generate.py`` (about a minute; ``--layers``, ``--width``, ``--tokens``, ``--devices``). It
+Run ``python benchmarks/generate.py`` (a few minutes; ``--layers``, ``--width``, ``--tokens``, ``--devices``). It
 builds ``GPT2LMHeadModel`` from a small configuration (random init, nothing downloaded) and, in one process and then
 pipelined over ``p`` processes (gloo, one CPU thread each, ``PipelineParallelStrategy(schedule="1f1b")``), runs
 ``trainer.predict`` on 3 batches of 4 prompts of 16 tokens, each ``generate``-ing ``--tokens`` tokens greedily with
 the key/value cache. Per batch, ``generate`` is timed inside ``predict_step`` on global rank 0 (host clock: CPU);
-the first batch is left out (it decides how the step runs, see the README's "Generation"). Printed: the median time
-per generated token, and its ratio to one device's. Pipelined, each pass through the blocks runs one stage after
-another and broadcasts every stage's output: the ideal is one device's time (no overlap is possible within one
-sequence's tokens), plus the broadcasts.
+the first batch is left out (it decides how the step runs, see the README's "Generation"). Pipelined, each count of
+processes runs twice: the current path (each stage's output sent to the next stage, the last one's to every rank,
+the key/value cache of other stages' layers mirrored from their descriptions) and the old one
+(``LIGHTNING_PP_EAGER=replay``: every block held elsewhere replayed on the meta device, every stage's output broadcast
+in three collectives). Printed: the median time per generated token, its ratio to one device's, and whether the tokens
+are one device's. Each pass through the blocks runs one stage after another: the ideal is one device's time (no overlap
+is possible within one sequence's tokens), plus the transfers.
 """
 
 from __future__ import annotations
@@ -75,23 +78,24 @@ def main() -> None:
         return
     env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     results = {}
-    for devices in [1, *args.devices]:
-        print(f"[{devices} process(es)] ...", file=sys.stderr, flush=True)
+    for devices, path in [(1, "-"), *((d, p) for d in args.devices for p in ("current", "old"))]:
+        print(f"[{devices} process(es), {path} path] ...", file=sys.stderr, flush=True)
         command = [sys.executable, __file__, "--run-devices", str(devices), "--layers", str(args.layers),
                    "--width", str(args.width), "--tokens", str(args.tokens)]
-        done = subprocess.run(command, capture_output=True, text=True, env=env, timeout=900)
+        run_env = {**env, "LIGHTNING_PP_EAGER": "replay"} if path == "old" else env
+        done = subprocess.run(command, capture_output=True, text=True, env=run_env, timeout=900)
         line = next((out for out in done.stdout.splitlines() if out.startswith("RESULT ")), None)
         if line is None:
             raise SystemExit(f"the run on {devices} process(es) failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
-        results[devices] = json.loads(line[len("RESULT "):])
-    base = results[1]
+        results[devices, path] = json.loads(line[len("RESULT "):])
+    base = results[1, "-"]
     print(f"\nGPT-2 ({args.layers} layers of width {args.width}), 3 batches of 4 prompts x 16 tokens, {args.tokens} "
           f"tokens each, greedy with the cache; CPU, gloo, one thread per process.\n")
-    print("| processes | ms per generated token | vs one device | same tokens as one device |")
-    print("|---|---|---|---|")
-    for devices, result in results.items():
-        print(f"| {devices} | {result['ms_per_token']:.2f} | {result['ms_per_token'] / base['ms_per_token']:.2f}x | "
-              f"{result['tokens'] == base['tokens']} |")
+    print("| processes | path | ms per generated token | vs one device | same tokens as one device |")
+    print("|---|---|---|---|---|")
+    for (devices, path), result in results.items():
+        print(f"| {devices} | {path} | {result['ms_per_token']:.2f} | "
+              f"{result['ms_per_token'] / base['ms_per_token']:.2f}x | {result['tokens'] == base['tokens']} |")
 
 
 if __name__ == "__main__":

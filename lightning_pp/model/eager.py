@@ -2,22 +2,35 @@
 passes through the blocks several times in one step (autoregressive generation in ``predict_step``) or outside the
 steps (sampling text in ``on_validation_epoch_end``).
 
-Every rank runs the model's code. When the loop reaches a block this rank holds, the block runs; after the last block
-of each stage, that stage's output is broadcast over the pipeline from the rank holding it, and the stand-in of that
-block returns it on every other rank, so the next stage's first block and the code after the blocks see the real
-activation everywhere: the model's own loop (a generation loop, its stopping test) continues identically on every
-rank. A stand-in of any other block runs the block's weightless copy on the meta device first, so per-layer state the
-model passes to its layers (a key/value cache whose length is read from layer 0) advances as on one device; it returns
-zeros of the block's output shape, marked as held elsewhere (:mod:`lightning_pp.runtime.remote`). A module outside the
-blocks whose weights this rank does not hold gets its output the same way, broadcast from a rank holding it.
+Every rank runs the model's code. When the loop reaches a block this rank holds, the block runs. The output of a
+stage's last block goes, as one message, to the rank of the next stage only, whose stand-in of that block returns it;
+the last stage's output is broadcast to every rank, so the code after the blocks (the head, a generation loop's
+sampling and stopping test) sees the real activation everywhere and continues identically. A stand-in of any other
+block returns zeros of its input's shape, marked as held elsewhere (:mod:`lightning_pp.runtime.remote`).
 
-A broadcast that does not complete within the transfer timeout (a pass run on some ranks only, as under
-``if self.global_rank == 0``) raises :class:`~lightning_pp.PipelineCommError` naming the hook and the way out.
+A key/value cache the model hands its blocks (Hugging Face's ``DynamicCache``) must advance on every rank as on one
+device, because the model reads it outside the blocks (the length of layer 0 places positions and masks). Its layers
+that another stage's blocks fill are mirrored, not recomputed: the rank holding a block describes the cache layers its
+blocks changed (each tensor's dtype and shape, the layer's plain values), the description travels with the stage's
+output down the pipeline and in the last broadcast, and every other rank sets its copy of those layers to meta-device
+tensors of those shapes and those values. A cache of a type :func:`cache_of` does not know keeps the exact way that
+needs no knowledge of it: the block's weightless copy runs on the meta device (slower), with one log line.
+``LIGHTNING_PP_EAGER=replay`` forces that way and the old transfers (every stage's output broadcast, in three
+collectives), for benchmarks and tests.
+
+A message is one collective or one point-to-point transfer: its first bytes say how long it is, its JSON header what it
+holds, then the tensors. Both ends of a channel expect a message of the channel's capacity, which both update alike
+from each message's length; only a message that does not fit is announced first (a second message). A transfer that
+does not complete within the transfer timeout (a pass run on some ranks only, as under ``if self.global_rank == 0``)
+raises :class:`~lightning_pp.PipelineCommError` naming the hook and the way out.
 """
 
 from __future__ import annotations
 
 import json
+import logging
+import os
+import weakref
 from collections.abc import Callable
 from datetime import timedelta
 from typing import Any
@@ -30,14 +43,37 @@ from lightning_pp.errors import PipelineCommError
 from lightning_pp.runtime.p2p import described_dtensor, rebuilt_dtensor
 from lightning_pp.runtime.wire import flatten, pack, packed_size, unflatten, unpack
 
-__all__ = ["EagerLink"]
+__all__ = ["CacheMirror", "EagerLink", "cache_of", "replaying"]
+
+log = logging.getLogger(__name__)
 
 _DTYPES = {str(dtype): dtype for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
                                            torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
+_PREFIX = 16  # two int64 before the header: the content's length (negative: the message follows, that long), header's
+_ALIGN = 16
+_TAG = 0x4541  # gloo matches point-to-point messages per peer and tag: eager messages keep to their own
+_FIRST_CAPACITY = 256
+
+
+def replaying() -> bool:
+    """Whether ``LIGHTNING_PP_EAGER=replay`` asks for the old way (see the module doc): benchmarks and tests only."""
+    return os.environ.get("LIGHTNING_PP_EAGER", "") == "replay"
+
+
+def _aligned(n: int) -> int:
+    return -(-n // _ALIGN) * _ALIGN
+
+
+def _next_capacity(capacity: int, length: int) -> int:
+    """A channel's capacity after a message of ``length`` bytes: a quarter's headroom when it grows (a sequence growing
+    by a token per pass announces itself every few passes, not every pass), shrunk when 4 times too large."""
+    if length > capacity or 4 * length < capacity:
+        return max(_aligned(length + length // 4), _PREFIX)
+    return capacity
 
 
 class EagerLink:
-    """Broadcasts of whole structures over the pipeline, each step waited for at most ``timeout`` seconds.
+    """Messages of whole structures over the pipeline, each waited for at most ``timeout`` seconds.
 
     ``where()`` names this rank (its stage), ``hook()`` the Lightning hook running now (None: none). A DTensor (a
     tensor-parallel block's output) travels as this rank's part, to the ranks of its pipeline, which hold the same
@@ -48,49 +84,277 @@ class EagerLink:
                  hook: Callable[[], str | None], mesh_of: Callable[[tuple[str, ...]], Any] | None = None) -> None:
         self.group, self.device, self.timeout = group, device, timeout
         self.where, self.hook, self.mesh_of = where, hook, mesh_of
+        self.replay = replaying()
+        # (kind, source, destination or what) -> the length both ends expect the channel's next message to have
+        self._capacity: dict[tuple[Any, ...], int] = {}
 
     def broadcast(self, value: Any, source: int, what: str) -> Any:
         """``value`` (meaningful on global rank ``source`` only) on every rank of the pipeline."""
+        return self.broadcast_noted(value, source, what)[0]
+
+    def broadcast_noted(self, value: Any, source: int, what: str, note: Any = None) -> tuple[Any, Any]:
+        """``value`` and ``note`` (JSON) from global rank ``source`` on every rank of the pipeline."""
+        if self.replay:
+            return self._broadcast_in_three(value, source, what), note
+        channel = ("broadcast", source, what)
+        if dist.get_rank() == source:
+            self._send(self._composed(value, note), channel, lambda t: self._broadcast(t, source, what))
+            return value, note
+        return self._received(self._receive(channel, lambda t: self._broadcast(t, source, what)))
+
+    def send(self, value: Any, destination: int, what: str, note: Any = None) -> None:
+        """``value`` and ``note`` (JSON) to global rank ``destination`` (which calls :meth:`recv`)."""
+        channel = ("p2p", dist.get_rank(), destination)
+        self._send(self._composed(value, note), channel, lambda t: self._wait(
+            dist.isend(t, destination, group=self.group, tag=_TAG), destination, what, "sending"))
+
+    def recv(self, source: int, what: str) -> tuple[Any, Any]:
+        """What global rank ``source`` sends with :meth:`send`: the value and its note."""
+        channel = ("p2p", source, dist.get_rank())
+        return self._received(self._receive(channel, lambda t: self._wait(
+            dist.irecv(t, source, group=self.group, tag=_TAG), source, what, "waiting for")))
+
+    def _composed(self, value: Any, note: Any) -> tuple[bytes, list[torch.Tensor], int]:
+        """The header, the tensors and the message's length."""
+        tensors, spec = flatten(value)
+        distributed = [[i, *described_dtensor(t)] for i, t in enumerate(tensors) if isinstance(t, DTensor)]
+        tensors = [(t.to_local() if isinstance(t, DTensor) else t).detach() for t in tensors]
+        header = json.dumps([spec, [[str(t.dtype), list(t.shape)] for t in tensors], distributed, note],
+                            separators=(",", ":")).encode()
+        start = _aligned(_PREFIX + len(header))
+        return header, tensors, packed_size([(t.dtype, list(t.shape)) for t in tensors], start)
+
+    def _send(self, composed: tuple[bytes, list[torch.Tensor], int], channel: tuple[Any, ...],
+              transfer: Callable[[torch.Tensor], None]) -> None:
+        header, tensors, length = composed
+        capacity = self._capacity.get(channel, _FIRST_CAPACITY)
+        following = _next_capacity(capacity, length)
+        if length > capacity:  # announced in a message of the expected length, then sent at its own
+            announcement = torch.zeros(capacity, dtype=torch.uint8, device=self.device)
+            announcement[:8].view(torch.int64).fill_(-following)
+            transfer(announcement)
+        start = _aligned(_PREFIX + len(header))
+        message = pack(tensors, self.device, start, following if length > capacity else capacity)
+        prefix = torch.tensor([length, len(header)], dtype=torch.int64).view(torch.uint8)
+        header_bytes = torch.frombuffer(bytearray(header), dtype=torch.uint8)
+        message[:_PREFIX + len(header)].copy_(torch.cat([prefix, header_bytes]))
+        transfer(message)
+        self._capacity[channel] = following
+
+    def _receive(self, channel: tuple[Any, ...], transfer: Callable[[torch.Tensor], None]) -> tuple[torch.Tensor, int]:
+        capacity = self._capacity.get(channel, _FIRST_CAPACITY)
+        message = torch.empty(capacity, dtype=torch.uint8, device=self.device)
+        transfer(message)
+        length = int(message[:8].view(torch.int64).item())
+        if length < 0:
+            message = torch.empty(-length, dtype=torch.uint8, device=self.device)
+            transfer(message)
+            length = int(message[:8].view(torch.int64).item())
+        self._capacity[channel] = _next_capacity(capacity, length)
+        return message, length
+
+    def _received(self, received: tuple[torch.Tensor, int]) -> tuple[Any, Any]:
+        message, _ = received
+        header_length = int(message[8:16].view(torch.int64).item())
+        header = message[_PREFIX:_PREFIX + header_length].cpu().numpy().tobytes()
+        spec, described, distributed, note = json.loads(header.decode())
+        layout = [(_DTYPES[dtype], shape) for dtype, shape in described]
+        tensors = unpack(message, layout, _aligned(_PREFIX + header_length))
+        for index, dims, placements, shape, stride in distributed:
+            assert self.mesh_of is not None  # a DTensor was sent: the job has a mesh
+            tensors[index] = rebuilt_dtensor(tensors[index], self.mesh_of(tuple(dims)), placements, shape, stride)
+        return unflatten(spec, tensors), note
+
+    def _broadcast_in_three(self, value: Any, source: int, what: str) -> Any:
+        """The old way (``LIGHTNING_PP_EAGER=replay``): the header's size, the header, the tensors."""
         mine = dist.get_rank() == source
         header = b""
         tensors: list[torch.Tensor] = []
-        distributed: list[list[Any]] = []
         if mine:
-            tensors, spec = flatten(value)
-            distributed = [[i, *described_dtensor(t)] for i, t in enumerate(tensors) if isinstance(t, DTensor)]
-            tensors = [t.to_local() if isinstance(t, DTensor) else t for t in tensors]
-            header = json.dumps([spec, [[str(t.dtype), list(t.shape)] for t in tensors], distributed]).encode()
+            header, tensors, _ = self._composed(value, None)
         size = torch.tensor([len(header)], dtype=torch.int64, device=self.device)
         self._broadcast(size, source, what)
         data = (torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device) if mine
                 else torch.empty(int(size.item()), dtype=torch.uint8, device=self.device))
         self._broadcast(data, source, what)
-        spec, described, distributed = json.loads(data.cpu().numpy().tobytes().decode())
+        spec, described, distributed, _ = json.loads(data.cpu().numpy().tobytes().decode())
         layout = [(_DTYPES[dtype], shape) for dtype, shape in described]
         if not layout:
             return value if mine else unflatten(spec, [])
-        # the tensors travel packed in one buffer: one collective, whatever their number
-        payload = (pack([t.detach() for t in tensors], self.device) if mine
+        payload = (pack(tensors, self.device) if mine
                    else torch.empty(packed_size(layout), dtype=torch.uint8, device=self.device))
         self._broadcast(payload, source, what)
         if mine:
             return value
         received = unpack(payload, layout)
         for index, dims, placements, shape, stride in distributed:
-            assert self.mesh_of is not None  # a DTensor was sent: the job has a mesh
+            assert self.mesh_of is not None
             received[index] = rebuilt_dtensor(received[index], self.mesh_of(tuple(dims)), placements, shape, stride)
         return unflatten(spec, received)
 
     def _broadcast(self, tensor: torch.Tensor, source: int, what: str) -> None:
+        self._wait(dist.broadcast(tensor, source, group=self.group, async_op=True), source, what, "waiting for")
+
+    def _wait(self, work: Any, peer: int, what: str, doing: str) -> None:
         try:
-            dist.broadcast(tensor, source, group=self.group, async_op=True).wait(timedelta(seconds=self.timeout))
+            work.wait(timedelta(seconds=self.timeout))
         except RuntimeError as error:
             hook = self.hook()
             during = f" in `{hook}`" if hook else ""
+            direction = "waited for {} from" if doing == "waiting for" else "sent {} to"
             raise PipelineCommError(
-                f"Pipeline {self.where()} waited for {what} from rank {source}{during} and failed ({error}). A pass "
+                f"Pipeline {self.where()} {direction.format(what)} rank {peer}{during} and failed ({error}). A pass "
                 f"through the blocks outside the pipelined step (generation in a hook, several passes in one step) "
                 f"runs every stage's blocks on its own rank, so every rank of the pipeline must run it: code under "
                 f"`if self.global_rank == 0` runs it on one rank only. Run it on every rank and print or log the "
                 f"result on rank 0."
             ) from error
+
+
+# ------------------------------------------------------------------------------------------------- caches mirrored
+_CACHES = {"DynamicCache"}
+_LAYERS = {"DynamicLayer", "DynamicSlidingWindowLayer", "LinearAttentionLayer", "LinearAttentionAndFullAttentionLayer",
+           "LinearAttentionAndSlidingWindowAttentionLayer"}
+_HF_CACHES = "transformers.cache_utils"
+_PLAIN = (type(None), bool, int, float, str)
+_told: set[str] = set()
+
+
+def _objects_in(value: Any, found: list[Any]) -> None:
+    if isinstance(value, (tuple, list)):
+        for v in value:
+            _objects_in(v, found)
+    elif isinstance(value, dict):
+        for v in value.values():
+            _objects_in(v, found)
+    elif not isinstance(value, (torch.Tensor, *_PLAIN)):
+        found.append(value)
+
+
+def _known(cache: Any) -> bool:
+    kind = type(cache)
+    layers = getattr(cache, "layers", None)
+    return (kind.__name__ in _CACHES and kind.__module__ == _HF_CACHES and isinstance(layers, list)
+            and all(type(layer).__name__ in _LAYERS and type(layer).__module__ == _HF_CACHES for layer in cache.layers)
+            and _replicated_known(getattr(cache, "layer_class_to_replicate", None)))
+
+
+def _replicated_known(kind: Any) -> bool:
+    """Whether a cache's class of the layers it adds as they are first updated (None: none) is one mirrored."""
+    return kind is None or (getattr(kind, "__name__", "") in _LAYERS and kind.__module__ == _HF_CACHES)
+
+
+def cache_of(args: Any, kwargs: Any, index: int) -> tuple[Any, bool]:
+    """The cache a block's call hands it (None: nothing besides tensors and plain values), and whether it is one
+    :class:`CacheMirror` mirrors; logs once per type that it is not (block ``index`` then replays on the meta device).
+    """
+    found: list[Any] = []
+    _objects_in((args, kwargs), found)
+    if not found:
+        return None, True
+    if len(found) == 1 and _known(found[0]):
+        return found[0], True
+    kinds = ", ".join(sorted({type(v).__qualname__ for v in found}))
+    if kinds not in _told:
+        _told.add(kinds)
+        log.info("Generation through the pipeline: the blocks are handed %s, which the fast path does not mirror; the "
+                 "stand-ins of other stages' blocks (block %d first) run their weightless copies on the meta device "
+                 "to advance it as on one device (exact, slower).", kinds, index)
+    return None, False
+
+
+def _described(value: Any) -> Any:
+    """A JSON description of a cache layer's attribute: a tensor's dtype and shape, plain values as they are."""
+    if isinstance(value, torch.Tensor):
+        return ["T", str(value.dtype), list(value.shape)]
+    if isinstance(value, _PLAIN):
+        return ["V", value]
+    if isinstance(value, torch.dtype):
+        return ["D", str(value)]
+    if isinstance(value, torch.device):
+        return ["@"]  # mirrored layers live on the meta device
+    if type(value) is dict and all(isinstance(k, (int, str)) for k in value):
+        return ["{", [[k, _described(v)] for k, v in value.items()]]
+    if type(value) in (list, tuple):
+        return ["[" if type(value) is list else "(", [_described(v) for v in value]]
+    return ["?", type(value).__qualname__]  # kept as it is on the mirroring rank
+
+
+def _rebuilt(described: list[Any], keep: Any) -> Any:
+    kind = described[0]
+    if kind == "T":
+        return torch.empty(described[2], dtype=_DTYPES.get(described[1]) or getattr(torch, described[1][6:]),
+                           device="meta")
+    if kind == "V":
+        return described[1]
+    if kind == "D":
+        return getattr(torch, described[1][6:])
+    if kind == "@":
+        return torch.device("meta")
+    if kind == "{":
+        return {k: _rebuilt(v, None) for k, v in described[1]}
+    if kind in "[(":
+        items = [_rebuilt(v, None) for v in described[1]]
+        return items if kind == "[" else tuple(items)
+    return keep
+
+
+def _layer_described(layer: Any) -> list[Any]:
+    return [type(layer).__name__, [[name, _described(value)] for name, value in vars(layer).items()]]
+
+
+class CacheMirror:
+    """One rank's part in mirroring a pass's cache (see the module doc): the descriptions of the layers this pass
+    changed so far, by layer index, as received from the previous stage and added to by this rank's blocks, and which
+    of them this rank's blocks changed (never overwritten by what arrives)."""
+
+    def __init__(self) -> None:
+        self.carried: dict[int, list[Any]] = {}
+        self._before: list[list[Any]] | None = None
+        self._own: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
+        self._cache: Any = None
+
+    def reset(self) -> None:
+        """A pass through the blocks is over."""
+        self.carried, self._before, self._cache = {}, None, None
+
+    def before_blocks(self, cache: Any) -> None:
+        """This rank's next stage starts its blocks with ``cache`` (one :func:`cache_of` knows, or None)."""
+        self._cache = cache
+        self._before = [_layer_described(layer) for layer in cache.layers] if cache is not None else None
+
+    def after_blocks(self) -> None:
+        """This rank's stage has run its blocks: what they changed joins what is carried on."""
+        if self._cache is None or self._before is None:
+            return
+        before, own = self._before, self._own.setdefault(self._cache, set())
+        for index, layer in enumerate(self._cache.layers):
+            described = _layer_described(layer)
+            if index >= len(before) or described != before[index]:
+                self.carried[index] = described
+                own.add(index)
+        self._before = None
+
+    def arrived(self, carried: dict[str, list[Any]] | None, cache: Any) -> None:
+        """``carried`` came with an output (JSON: string keys): mirror it into ``cache`` (None: a cache this rank
+        does not mirror) but for the layers this rank's blocks fill, and carry it on."""
+        if not carried:
+            return
+        own = self._own.get(cache, set()) if cache is not None else set()
+        for key, described in carried.items():
+            index = int(key)
+            self.carried[index] = described
+            if cache is not None and index not in own:
+                _mirror(cache, index, described)
+
+
+def _mirror(cache: Any, index: int, described: list[Any]) -> None:
+    while len(cache.layers) <= index:  # a cache that adds its layers as they are first updated
+        cache.layers.append(cache.layer_class_to_replicate())
+    layer = cache.layers[index]
+    name, attributes = described
+    if type(layer).__name__ != name:
+        raise RuntimeError(f"cache layer {index} is a {type(layer).__name__} here and a {name} where it is computed")
+    state = vars(layer)
+    for attribute, value in attributes:
+        state[attribute] = _rebuilt(value, state.get(attribute))

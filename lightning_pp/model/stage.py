@@ -30,7 +30,7 @@ from torch.utils.checkpoint import checkpoint
 
 from lightning_pp import _compat
 from lightning_pp.errors import PipelineConfigError
-from lightning_pp.model.eager import EagerLink
+from lightning_pp.model.eager import CacheMirror, EagerLink, cache_of
 from lightning_pp.model.sides import SideOutputs, Sides, not_ours, ours, split_sides
 from lightning_pp.runtime.remote import marked_remote, remote_placeholder
 from lightning_pp.runtime.wire import map_tensors
@@ -234,6 +234,7 @@ class StageView:
         self.rank_of: Callable[[int], int] = int  # set with the link
         self.passes_at_rest = 0
         self._finish_passes = 0
+        self.mirror = CacheMirror()  # a cache the blocks are handed, mirrored where they are stand-ins
         self.keys = _compat.child_names(container)
         owner = {i: s for s, blocks in enumerate(ranges) for i in blocks}
         self._local_blocks: dict[str, nn.Module] = {}
@@ -248,6 +249,8 @@ class StageView:
         for stage in self.stages:
             first, last = self._block(ranges[stage][0]), self._block(ranges[stage][-1])
             first.register_forward_pre_hook(ours(functools.partial(self._before_first_block, stage)))
+            first.register_forward_pre_hook(ours(functools.partial(self._eager_before_first_block, stage)),
+                                            with_kwargs=True)
             last.register_forward_hook(ours(functools.partial(self._after_last_block, stage)))
 
     @property
@@ -292,30 +295,44 @@ class StageView:
 
     def eager_stand_in(self, index: int, owner: int, stand_in: nn.Module, args: tuple[Any, ...],
                        kwargs: dict[str, Any]) -> Any:
-        """What the stand-in of block ``index`` (held by stage ``owner``) returns in an eager pass: the real output
-        broadcast from the owner's rank where the block ends that stage, else zeros, marked, of its output's shape
-        (where the copy ran) or its input's.
-        Where the block gets an object besides tensors and plain values (a key/value cache), its weightless copy
-        runs on the meta device first, so that the object changes as on one device (a cache's length)."""
-        assert self.eager is not None
-        twin = stand_in.__dict__["_pipeline"].twin
-        stateful = _holds_objects((args, kwargs))
-        if stateful and twin is None:
-            raise PipelineConfigError(
-                f"Block {index} of `{self.container_name}` (held by stage {owner}) could not be copied, so a pass "
-                f"through the blocks outside the pipelined micro-batches (generation) cannot advance the state it is "
-                f"given here.")
+        """What the stand-in of block ``index`` (held by stage ``owner``) returns in an eager pass: where the block ends
+        that stage, its output as that stage sent it to this rank (the next stage's, or every rank for the last
+        stage); else zeros, marked, of its input's shape (of its output's, where its copy ran).
+        A cache it is handed advances by the description the owner's output brings (see
+        :mod:`lightning_pp.model.eager`); a cache of another kind by running the block's weightless copy on the meta
+        device, so that it changes as on one device (its length)."""
+        link = self.eager
+        assert link is not None
+        if link.replay:
+            cache, mirrored = None, not _holds_objects((args, kwargs))
+        else:
+            cache, mirrored = cache_of(args, kwargs, index)
         shapes = None
-        if stateful:
+        if not mirrored:
+            twin = stand_in.__dict__["_pipeline"].twin
+            if twin is None:
+                raise PipelineConfigError(
+                    f"Block {index} of `{self.container_name}` (held by stage {owner}) could not be copied, so a pass "
+                    f"through the blocks outside the pipelined micro-batches (generation) cannot advance the state it "
+                    f"is given here.")
             with torch.no_grad():
                 shapes = twin(*_on_meta(args), **_on_meta(kwargs))
         if index == self.ranges[owner][-1]:
-            output = self.eager.broadcast(None, self.rank_of(owner), f"the output of stage {owner}")
-            self._count_pass(index)
-            return output
+            what = f"the output of stage {owner}"
+            last = owner == self.num_stages - 1
+            if link.replay or last or owner + 1 in self.stages:
+                if link.replay or last:
+                    output, carried = link.broadcast_noted(None, self.rank_of(owner), what)
+                else:
+                    output, carried = link.recv(self.rank_of(owner), what)
+                self.mirror.arrived(carried, cache)
+                if last:
+                    self.mirror.reset()
+                self._count_pass(index)
+                return output
         if shapes is None:  # what the loop hands on is ignored by the next stand-in: the input's shape will do
             shapes = args[0] if args else next(iter(kwargs.values()))
-        device = self.eager.device
+        device = link.device
         return map_tensors(shapes, lambda t: marked_remote(torch.zeros(t.shape, dtype=t.dtype, device=device)))
 
     def _count_pass(self, index: int) -> None:
@@ -367,10 +384,23 @@ class StageView:
             if self.on_blocks_start is not None:
                 self.on_blocks_start()
 
+    def _eager_before_first_block(self, stage: int, module: nn.Module, args: Any, kwargs: dict[str, Any]) -> None:
+        if self.eager_now() and not self.eager.replay:  # type: ignore[union-attr]
+            cache, mirrored = cache_of(args, kwargs, self.ranges[stage][0])
+            self.mirror.before_blocks(cache if mirrored else None)
+
     def _after_last_block(self, stage: int, module: nn.Module, args: Any, output: Any) -> None:
         if self.eager_now():
-            assert self.eager is not None
-            self.eager.broadcast(output, self.rank_of(stage), f"the output of stage {stage}")
+            link, what = self.eager, f"the output of stage {stage}"
+            assert link is not None
+            if link.replay or stage == self.num_stages - 1:  # to every rank: the code after the blocks runs everywhere
+                self.mirror.after_blocks()
+                link.broadcast_noted(output, self.rank_of(stage), what, self.mirror.carried)
+                self.mirror.reset()
+            else:
+                self.mirror.after_blocks()
+                if stage + 1 not in self.stages:  # else this rank's next stage runs on with it
+                    link.send(output, self.rank_of(stage + 1), what, self.mirror.carried)
             self._count_pass(self.ranges[stage][-1])
             return
         if self.mode is not Mode.MICROBATCH or stage != self.stage:
@@ -420,6 +450,7 @@ class StageView:
     def eager_step(self) -> Iterator[None]:
         """Run a step's passes through the blocks eagerly (see :mod:`lightning_pp.model.eager`)."""
         self.mode, self.passes_at_rest = Mode.EAGER, 0
+        self.mirror.reset()
         try:
             yield
         finally:
