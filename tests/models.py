@@ -571,12 +571,15 @@ MODELS["sleepy4"] = lambda: Sleepy(layers=4, forward_s=0.12, backward_s=0.12)
 
 
 class SlowFirst(Sleepy):
-    """8 sleeping blocks, the first 8x slower than the others (forward and backward), reading a shuffling loader of
-    its own: the global random generator decides the batches, so a balance probe that drew from it would show."""
+    """8 sleeping blocks, the first 100x slower than the others (forward and backward: 100 ms against 1 ms), reading a
+    shuffling loader of its own: the global random generator decides the batches, so a balance probe that drew from
+    it would show. The time split is [1, 7] however busy the machine: the other 7 blocks' 14 ms would need more than
+    30 ms of delay each (forward and backward) to outweigh the first's 200 ms, where a busy machine adds a few (8x
+    slower once came out [2, 6] under load)."""
 
-    def __init__(self, base_s: float = 0.005) -> None:
+    def __init__(self, base_s: float = 0.001, slow_s: float = 0.1) -> None:
         super().__init__(layers=8, forward_s=base_s, backward_s=base_s)
-        self.layers[0] = SleepLayer(8 * base_s, 8 * base_s)
+        self.layers[0] = SleepLayer(slow_s, slow_s)
 
     def train_dataloader(self) -> DataLoader:
         return DataLoader(make_data("mlp").dataset, batch_size=8, shuffle=True)

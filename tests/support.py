@@ -25,6 +25,9 @@ import torch
 from _launch import RankResult, launch, run_script
 from models import AppliedGradientRecorder, LoadWeightsEachStep, fit
 
+from lightning_pp.schedule import Action, ActionType, Schedule, build_schedule
+from lightning_pp.schedule.simulate import COMPUTE_CATEGORIES
+
 # ------------------------------------------------------------------------------------------------ tolerances, names
 
 # fp32 parameters after SGD: micro-batch gradient sums differ from full-batch ones in the last bits
@@ -483,3 +486,39 @@ def summarized(fit: Callable[..., Any]) -> tuple[list[dict[str, Any]], list[str]
         logger.removeHandler(handler)
         logger.setLevel(level)
     return summaries, messages
+
+
+# ------------------------------------------------------------------------------------------------ the monitor's trace
+
+
+def assert_runs_as_scheduled(trace: dict[str, Any], schedule: Schedule) -> None:
+    """The measured timeline (a Chrome trace of one step) holds each rank's compute actions in ``schedule``'s order,
+    and each waited for its inputs from the other ranks: a stage's forward of a micro-batch starts after the previous
+    stage's forward of it ended, its backward (or input gradient) after the next stage's. The ranks' clocks are one
+    (one host), so this holds however busy the machine; a timeline gathered with wrong offsets, or with events
+    attributed to the wrong rank, step or action, breaks it."""
+    events = sorted((e for e in trace["traceEvents"] if e["ph"] == "X" and e["cat"] in COMPUTE_CATEGORIES),
+                    key=lambda e: e["ts"])
+    for rank in range(schedule.num_ranks):
+        got = [e["args"]["action"] for e in events if e["tid"] == rank]
+        assert got == [str(a) for a in schedule.actions[rank] if a.is_compute], (schedule.name, rank)
+    spans = {e["args"]["action"]: (e["ts"], e["ts"] + e["dur"]) for e in events}
+    slack_us = 1.0  # the trace's microseconds are rounded floats
+    last = schedule.num_stages - 1
+    for name, (start, _) in spans.items():
+        action = Action.parse(name)
+        if action.type == ActionType.FORWARD and action.stage > 0:
+            before = [str(Action(action.stage - 1, ActionType.FORWARD, action.microbatch))]
+        elif action.type in (ActionType.BACKWARD, ActionType.BACKWARD_INPUT) and action.stage < last:
+            before = [str(Action(action.stage + 1, kind, action.microbatch))
+                      for kind in (ActionType.BACKWARD, ActionType.BACKWARD_INPUT)]
+        else:
+            continue
+        (ended,) = [spans[b][1] for b in before if b in spans]
+        assert start >= ended - slack_us, (schedule.name, name, start, ended)
+
+
+def schedule_for(name: str, ranks: int, microbatches: int) -> Schedule:
+    """The schedule ``name`` as the strategy builds it by default (2 stages per rank where it takes several)."""
+    return build_schedule(name, ranks, microbatches,
+                          stages_per_rank=2 if name in ("interleaved_1f1b", "dualpipev") else None)

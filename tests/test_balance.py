@@ -104,7 +104,7 @@ def test_bad_balance_names_the_allowed_values(balance: Any) -> None:
 
 @pytest.mark.parametrize("balance", ["uniform", "params", "time", None, [3, 5], (4, 4)])
 def test_good_balance_is_accepted(balance: Any) -> None:
-    """Accepted, and the split follows it: 8 blocks of one weight each, the first 8x slower (it sleeps), on 2 stages
+    """Accepted, and the split follows it: 8 blocks of one weight each, the first 100x slower (it sleeps), on 2 stages
     (`trainer_for`). ``None`` (the default) and ``"uniform"`` split evenly, as ``"params"`` does on equal parameter
     counts; ``"time"`` isolates the slow block; a list or a tuple of block counts is the split."""
     from models import SlowFirst
@@ -202,8 +202,8 @@ def test_time_probe_leaves_the_module_and_random_generators_as_they_were(caplog:
 
 
 def test_time_balance_isolates_the_slow_block_and_trains_like_one_device(caplog: pytest.LogCaptureFixture) -> None:
-    """8 blocks, the first 8x slower (sleeps): split [1, 7]; the shuffling loader draws the same batches as one
-    device's, so losses agree."""
+    """8 blocks, the first 100x slower (sleeps; see `SlowFirst`): split [1, 7] however busy the machine; the shuffling
+    loader draws the same batches as one device's, so losses agree."""
     strategy = PipelineParallelStrategy(schedule="interleaved_1f1b", microbatches=2, balance="time")
     _, logger = fit("slow_first8", strategy, devices=1, max_steps=4)
     assert strategy.telemetry.view is not None and strategy.telemetry.view.ranges == [range(0, 1), range(1, 8)]

@@ -11,7 +11,7 @@ monitor, and the failure tier (a user error on one stage, a dead peer).
 
 from __future__ import annotations
 
-import statistics
+import json
 from pathlib import Path
 
 import pytest
@@ -21,6 +21,7 @@ from support import (
     assemble,
     assert_matches,
     assert_params_close,
+    assert_runs_as_scheduled,
     assert_trains_like,
     check_all,
     check_dead_peer_raises_timeout_on_the_other_rank,
@@ -31,6 +32,7 @@ from support import (
     job,
     pipelined,
     reference,
+    schedule_for,
     single_device_state,
     validated_and_predicted,
 )
@@ -120,14 +122,17 @@ def test_full_checkpoint_gathers_on_the_object_group(tmp_path: Path) -> None:
                         "emulated NCCL: saved after one epoch, resumed for the second")
 
 
-def test_monitor_measures_the_bubble_of_1f1b() -> None:
-    """Stage clocks, the timed step and the timelines gathered on the object group: the bubble matches theory."""
+def test_monitor_gathers_a_timeline_of_1f1b(tmp_path: Path) -> None:
+    """Stage clocks, the timed step and the timelines gathered on the object group: the trace follows the schedule
+    (no timing is asserted: benchmarks/bubbles.py measures the bubble)."""
     ranks = launch(2, [{"scenario": "monitored", "kwargs": {"model": "sleepy2", "schedule": "1f1b", "microbatches": 4,
-                                                             "log_dir": None, "timeline_every_n_steps": 0}}],
-                   timeout=200)
+                                                             "log_dir": str(tmp_path), "max_steps": 1,
+                                                             "timeline_every_n_steps": 1}}], timeout=200)
     assert not ranks[0].errors, ranks[0].errors
-    measured = statistics.median(h["pipeline/bubble_fraction"] for h in ranks[0].results[0]["history"])
-    assert measured == pytest.approx(1 / 5, abs=0.03)
+    (step,) = ranks[0].results[0]["history"]
+    assert 0 < step["pipeline/bubble_fraction"] < 1, step
+    trace = json.loads((tmp_path / "traces" / "pipeline_step0.json").read_text())
+    assert_runs_as_scheduled(trace, schedule_for("1f1b", 2, 4))
 
 
 @pytest.mark.timeout(200)
