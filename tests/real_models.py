@@ -731,6 +731,84 @@ class GeneratingNanoGPT(NanoGPT):
         return token_batches(batches=1, seed=2)
 
 
+class SampledNanoGPT(GeneratingNanoGPT):
+    """nanoGPT sampling (temperature and top-k) from a seeded generator in its own loop: every rank must draw what one
+    device draws, from the same logits."""
+
+    @torch.no_grad()
+    def generate(self, idx: torch.Tensor, tokens: int) -> torch.Tensor:
+        torch.manual_seed(5)
+        for _ in range(tokens):
+            logits = self(idx)[:, -1] / 0.8
+            logits[logits < logits.topk(8, dim=-1).values[:, -1:]] = -float("inf")
+            next_token = torch.multinomial(torch.softmax(logits, dim=-1), 1)
+            idx = torch.cat([idx, next_token], dim=1)
+        return idx
+
+
+def _causal_lm(family: str) -> nn.Module:
+    """A Hugging Face causal LM from a small config: GPT-2, Llama (grouped key/value heads, rotary positions) or Mamba
+    (whose cache holds convolution and recurrent states instead of keys and values)."""
+    import transformers
+
+    if family == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=4, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
+            attn_pdrop=0.0))
+    if family == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32))
+    assert family == "mamba", family
+    return transformers.MambaForCausalLM(transformers.MambaConfig(
+        vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=4, expand=2, conv_kernel=4))
+
+
+class GeneratingCausalLM(L.LightningModule):
+    """A Hugging Face causal LM (see ``_causal_lm``) trained two steps, then ``generate``-ing 5 tokens per prompt in
+    ``predict_step`` with their scores: greedy, or sampled (temperature, top-k) after seeding, with or without the
+    cache. ``cache="unknown"``: a ``DynamicCache`` subclass of the test's own, which the fast path does not mirror."""
+
+    def __init__(self, family: str, cache: str = "dynamic", sample: bool = False) -> None:
+        super().__init__()
+        self.model = _causal_lm(family)
+        self.cache, self.sample = cache, sample
+
+    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (input_ids,) = batch
+        loss = self.model(input_ids, labels=input_ids).loss
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
+
+    def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+        (input_ids,) = batch
+        extra: dict[str, Any] = {"do_sample": False}
+        if self.sample:
+            torch.manual_seed(11 + batch_idx)
+            extra = {"do_sample": True, "temperature": 0.8, "top_k": 16}
+        if self.cache == "unknown":
+            from transformers import DynamicCache
+
+            class OwnCache(DynamicCache):
+                pass
+
+            extra["cache"] = OwnCache(config=self.model.config)
+        generated = self.model.generate(input_ids[:, :4], attention_mask=torch.ones_like(input_ids[:, :4]),
+                                        max_new_tokens=5, use_cache=self.cache != "none", pad_token_id=0,
+                                        output_scores=True, return_dict_in_generate=True, **extra)
+        scores = torch.stack(generated.scores, dim=1).flatten(1)
+        return torch.cat([generated.sequences.to(scores.dtype), scores], dim=1)
+
+    def train_dataloader(self) -> DataLoader:
+        return token_batches()
+
+    def predict_dataloader(self) -> DataLoader:
+        return token_batches(batches=2, seed=2)
+
+
 # ----------------------------------------------------------- 10a. gradient norms logged before the optimizer step
 class GradNormGPT2(HFGPT2):
     """GPT-2 logging Lightning's ``grad_norm`` (every parameter's and the total) in ``on_before_optimizer_step``."""
@@ -1147,6 +1225,12 @@ SPECS: dict[str, Spec] = {
     "hf_gpt2_generate": Spec(GeneratingGPT2, max_steps=-1, max_epochs=2, validate=True, predict=True),
     "hf_gpt2_generate_no_cache": Spec(lambda: GeneratingGPT2(use_cache=False), max_steps=-1, max_epochs=2,
                                       validate=True, predict=True),
+    "nanogpt_sampled": Spec(SampledNanoGPT, max_steps=-1, max_epochs=2, validate=True, predict=True),
+    **{f"{family}_generate_{cache}{'_sampled' if sample else ''}": Spec(
+        lambda family=family, cache=cache, sample=sample: GeneratingCausalLM(family, cache, sample), max_steps=2,
+        predict=True)
+       for family in ("gpt2", "llama", "mamba") for cache in ("dynamic", "none", "unknown")
+       for sample in (False, True)},
     "hooked_aux_loss": Spec(HookedAuxLoss),
     "nanogpt_grad_norm": Spec(GradNormNanoGPT),
     "unet": Spec(UNetAutoencoder, max_steps=-1, max_epochs=2, validate=True, monitor="val_loss"),

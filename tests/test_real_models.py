@@ -40,7 +40,8 @@ from support import (
 )
 
 ADAMW_MODELS = {"hf_gpt2", "hf_gpt2_grad_norm", "hf_gpt2_generate", "hf_gpt2_generate_no_cache", "nanogpt_generate",
-                "nanogpt_grad_norm",
+                "nanogpt_grad_norm", "nanogpt_sampled",
+                *(name for name in real_models.SPECS if "_generate_" in name and not name.startswith("hf_")),
                 "hf_gpt2_dropout", "hf_gpt2_padded", "nanogpt",
                 "sliced", "compiled"}
 
@@ -396,6 +397,40 @@ def test_generate_in_predict_step_and_in_a_hook(tmp_path: Path) -> None:
     check_all(2, runs, [generated_as_on_one_device(run["kwargs"]["model"]) for run in runs], timeout=300)
     check_all(4, [job("hf_gpt2_generate", schedule="1f1b", microbatches=4, dirpath=str(tmp_path / "4"))],
               [generated_as_on_one_device("hf_gpt2_generate")], timeout=300)
+
+
+def predicted_as_on_one_device(model: str) -> Callable[[list[Result], str], None]:
+    """Training as on one device; on every rank the tokens and scores ``generate`` gives in ``predict_step``."""
+    def check(results: list[Result], label: str) -> None:
+        matches(model)(results, label)
+        want = real_model_reference(model)["predictions"]
+        for rank, result in enumerate(results):
+            torch.testing.assert_close(result["predictions"], want, rtol=RTOL, atol=ATOL,
+                                       msg=prefixed(f"{label}: rank {rank}'s generated tokens and scores"))
+
+    return check
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(600)
+def test_generate_llama_mamba_and_sampling_on_2_and_4_stages(tmp_path: Path) -> None:
+    """Issue 42: Hugging Face Llama (rotary positions, grouped key/value heads) and Mamba (a cache of convolution and
+    recurrent states) ``generate`` with and without the cache, greedy and sampled after seeding, GPT-2 sampled and
+    with a cache type the fast path does not know (the meta-device replay then), and our own sampling loop: every
+    rank gets one device's tokens and scores, on 2 and on 4 stages (one block each)."""
+    on_two = ["llama_generate_dynamic", "llama_generate_none", "llama_generate_dynamic_sampled",
+              "mamba_generate_dynamic", "mamba_generate_none_sampled", "mamba_generate_dynamic_sampled",
+              "gpt2_generate_dynamic_sampled", "gpt2_generate_unknown", "nanogpt_sampled"]
+    runs = [job(model, schedule="1f1b", microbatches=4, dirpath=str(tmp_path / f"2-{model}")) for model in on_two]
+    checks = [predicted_as_on_one_device(model) if model != "nanogpt_sampled" else generated_as_on_one_device(model)
+              for model in on_two]
+    check_all(2, runs, checks, timeout=400)
+    on_four = ["llama_generate_dynamic_sampled", "mamba_generate_dynamic", "gpt2_generate_dynamic_sampled",
+               "llama_generate_unknown", "nanogpt_sampled"]
+    runs = [job(model, schedule="1f1b", microbatches=4, dirpath=str(tmp_path / f"4-{model}")) for model in on_four]
+    checks = [predicted_as_on_one_device(model) if model != "nanogpt_sampled" else generated_as_on_one_device(model)
+              for model in on_four]
+    check_all(4, runs, checks, timeout=400)
 
 
 @pytest.mark.multiprocess
