@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 
 import pytest
 import torch
@@ -95,3 +96,47 @@ def test_only_hugging_face_dynamic_caches_are_mirrored_others_are_told_once(capl
     told = [record.getMessage() for record in caplog.records if "OwnCache" in record.getMessage()]
     assert len(told) == 1 and "meta device" in told[0] and "block 3" in told[0], told
     assert cache_of((cache, DynamicCache()), {}, 0) == (None, False)  # two caches: not one the mirror follows
+
+
+def _exchange(rank: int, port: int, host_group: bool) -> None:
+    """Rank 0 sends rank 1 messages that fit, grow the channel, shrink it and grow it a token at a time; rank 2
+    broadcasts structures to all. ``host_group``: the headers on a group of their own, as on NCCL."""
+    import os
+    from datetime import timedelta
+
+    import torch.distributed as dist
+
+    from lightning_pp.model.eager import EagerLink
+
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", rank=rank, world_size=3, timeout=timedelta(seconds=60))
+    try:
+        link = EagerLink(None, torch.device("cpu"), 30.0, where=lambda: f"rank {rank}", hook=lambda: None)
+        if host_group:
+            link.host_group = dist.new_group(backend="gloo")
+        sizes = [(2, 3), (64, 256), (2, 256), *((1, n, 8) for n in range(4, 40))]
+        for step, shape in enumerate(sizes):
+            value = (torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape) + step, {"step": step})
+            if rank == 0:
+                link.send(value, 1, "a test's value", note={"0": ["layer", step]})
+            elif rank == 1:
+                got, note = link.recv(0, "a test's value")
+                assert torch.equal(got[0], value[0]) and got[1] == {"step": step} and note == {"0": ["layer", step]}
+            shared = link.broadcast([torch.full(shape, float(step)), None, "x"] if rank == 2 else None, 2, "a test's")
+            assert torch.equal(shared[0], torch.full(shape, float(step))) and shared[1:] == [None, "x"]
+        assert link.broadcast(None if rank else torch.ones(0), 0, "an empty tensor").shape == (0,)
+    finally:
+        dist.destroy_process_group()
+
+
+@pytest.mark.parametrize("host_group", [False, True], ids=["one packet", "headers on the host"])
+def test_messages_of_any_size_arrive_whole_point_to_point_and_broadcast(host_group: bool) -> None:
+    import socket
+
+    import torch.multiprocessing as mp
+
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    mp.spawn(_exchange, args=(port, host_group), nprocs=3, join=True)

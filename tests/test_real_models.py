@@ -424,6 +424,11 @@ def test_generate_llama_mamba_and_sampling_on_2_and_4_stages(tmp_path: Path) -> 
     runs = [job(model, schedule="1f1b", microbatches=4, dirpath=str(tmp_path / f"2-{model}")) for model in on_two]
     checks = [predicted_as_on_one_device(model) if model != "nanogpt_sampled" else generated_as_on_one_device(model)
               for model in on_two]
+    # two stages per rank: the cache's description goes on from a rank's first stage to its second (interleaved), or
+    # stays on the rank between its two (the V of zbv)
+    runs += [job("llama_generate_dynamic", schedule="interleaved_1f1b", microbatches=4),
+             job("hf_gpt2_generate", schedule="zbv", microbatches=4, dirpath=str(tmp_path / "2-zbv"))]
+    checks += [predicted_as_on_one_device("llama_generate_dynamic"), generated_as_on_one_device("hf_gpt2_generate")]
     check_all(2, runs, checks, timeout=400)
     on_four = ["llama_generate_dynamic_sampled", "mamba_generate_dynamic", "gpt2_generate_dynamic_sampled",
                "llama_generate_unknown", "nanogpt_sampled"]

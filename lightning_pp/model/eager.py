@@ -81,11 +81,15 @@ class EagerLink:
     """
 
     def __init__(self, group: Any, device: torch.device, timeout: float, where: Callable[[], str],
-                 hook: Callable[[], str | None], mesh_of: Callable[[tuple[str, ...]], Any] | None = None) -> None:
+                 hook: Callable[[], str | None], mesh_of: Callable[[tuple[str, ...]], Any] | None = None,
+                 host_group: Any = None) -> None:
         self.group, self.device, self.timeout = group, device, timeout
         self.where, self.hook, self.mesh_of = where, hook, mesh_of
+        # a gloo group over the same ranks, for a device other than the CPU (NCCL): the headers travel on the host
+        # there, and the tensors after them on the device, so that no receiver reads the device to learn what comes
+        self.host_group = host_group if device.type != "cpu" else None
         self.replay = replaying()
-        # (kind, source, destination or what) -> the length both ends expect the channel's next message to have
+        # (kind, source, destination or what) -> the length both ends expect the channel's next packet to have
         self._capacity: dict[tuple[Any, ...], int] = {}
 
     def broadcast(self, value: Any, source: int, what: str) -> Any:
@@ -96,70 +100,92 @@ class EagerLink:
         """``value`` and ``note`` (JSON) from global rank ``source`` on every rank of the pipeline."""
         if self.replay:
             return self._broadcast_in_three(value, source, what), note
+
+        def transfer(tensor: torch.Tensor, on_host: bool) -> None:
+            self._broadcast(tensor, source, what, self.host_group if on_host else self.group)
+
         channel = ("broadcast", source, what)
         if dist.get_rank() == source:
-            self._send(self._composed(value, note), channel, lambda t: self._broadcast(t, source, what))
+            self._send(value, note, channel, transfer)
             return value, note
-        return self._received(self._receive(channel, lambda t: self._broadcast(t, source, what)))
+        return self._receive(channel, transfer)
 
     def send(self, value: Any, destination: int, what: str, note: Any = None) -> None:
         """``value`` and ``note`` (JSON) to global rank ``destination`` (which calls :meth:`recv`)."""
-        channel = ("p2p", dist.get_rank(), destination)
-        self._send(self._composed(value, note), channel, lambda t: self._wait(
-            dist.isend(t, destination, group=self.group, tag=_TAG), destination, what, "sending"))
+        def transfer(tensor: torch.Tensor, on_host: bool) -> None:
+            group = self.host_group if on_host else self.group
+            self._wait(dist.isend(tensor, destination, group=group, tag=_TAG), destination, what, "sending")
+
+        self._send(value, note, ("p2p", dist.get_rank(), destination), transfer)
 
     def recv(self, source: int, what: str) -> tuple[Any, Any]:
         """What global rank ``source`` sends with :meth:`send`: the value and its note."""
-        channel = ("p2p", source, dist.get_rank())
-        return self._received(self._receive(channel, lambda t: self._wait(
-            dist.irecv(t, source, group=self.group, tag=_TAG), source, what, "waiting for")))
+        def transfer(tensor: torch.Tensor, on_host: bool) -> None:
+            group = self.host_group if on_host else self.group
+            self._wait(dist.irecv(tensor, source, group=group, tag=_TAG), source, what, "waiting for")
 
-    def _composed(self, value: Any, note: Any) -> tuple[bytes, list[torch.Tensor], int]:
-        """The header, the tensors and the message's length."""
+        return self._receive(("p2p", source, dist.get_rank()), transfer)
+
+    def _composed(self, value: Any, note: Any) -> tuple[bytes, list[torch.Tensor]]:
+        """The header (JSON: the structure, each tensor's dtype and shape, the DTensors' layouts, ``note``) and the
+        tensors of ``value``."""
         tensors, spec = flatten(value)
         distributed = [[i, *described_dtensor(t)] for i, t in enumerate(tensors) if isinstance(t, DTensor)]
         tensors = [(t.to_local() if isinstance(t, DTensor) else t).detach() for t in tensors]
         header = json.dumps([spec, [[str(t.dtype), list(t.shape)] for t in tensors], distributed, note],
                             separators=(",", ":")).encode()
-        start = _aligned(_PREFIX + len(header))
-        return header, tensors, packed_size([(t.dtype, list(t.shape)) for t in tensors], start)
+        return header, tensors
 
-    def _send(self, composed: tuple[bytes, list[torch.Tensor], int], channel: tuple[Any, ...],
-              transfer: Callable[[torch.Tensor], None]) -> None:
-        header, tensors, length = composed
+    def _send(self, value: Any, note: Any, channel: tuple[Any, ...],
+              transfer: Callable[[torch.Tensor, bool], None]) -> None:
+        """One packet of the channel's capacity (the length, the header, the tensors unless they travel apart), after
+        an announcement of its length where it does not fit; with a host group, the tensors then on the device."""
+        header, tensors = self._composed(value, note)
+        on_host = self.host_group is not None
+        packed, device = ([], torch.device("cpu")) if on_host else (tensors, self.device)
+        start = _aligned(_PREFIX + len(header))
+        length = packed_size([(t.dtype, list(t.shape)) for t in packed], start)
         capacity = self._capacity.get(channel, _FIRST_CAPACITY)
         following = _next_capacity(capacity, length)
-        if length > capacity:  # announced in a message of the expected length, then sent at its own
-            announcement = torch.zeros(capacity, dtype=torch.uint8, device=self.device)
+        if length > capacity:  # announced in a packet of the expected length, then sent at its own
+            announcement = torch.zeros(capacity, dtype=torch.uint8, device=device)
             announcement[:8].view(torch.int64).fill_(-following)
-            transfer(announcement)
-        start = _aligned(_PREFIX + len(header))
-        message = pack(tensors, self.device, start, following if length > capacity else capacity)
+            transfer(announcement, on_host)
+        packet = pack(packed, device, start, following if length > capacity else capacity)
         prefix = torch.tensor([length, len(header)], dtype=torch.int64).view(torch.uint8)
         header_bytes = torch.frombuffer(bytearray(header), dtype=torch.uint8)
-        message[:_PREFIX + len(header)].copy_(torch.cat([prefix, header_bytes]))
-        transfer(message)
+        packet[:_PREFIX + len(header)].copy_(torch.cat([prefix, header_bytes]))
+        transfer(packet, on_host)
         self._capacity[channel] = following
+        if on_host and tensors:
+            transfer(pack(tensors, self.device), False)
 
-    def _receive(self, channel: tuple[Any, ...], transfer: Callable[[torch.Tensor], None]) -> tuple[torch.Tensor, int]:
+    def _receive(self, channel: tuple[Any, ...], transfer: Callable[[torch.Tensor, bool], None]) -> tuple[Any, Any]:
+        on_host = self.host_group is not None
+        device = torch.device("cpu") if on_host else self.device
         capacity = self._capacity.get(channel, _FIRST_CAPACITY)
-        message = torch.empty(capacity, dtype=torch.uint8, device=self.device)
-        transfer(message)
-        length = int(message[:8].view(torch.int64).item())
+        packet = torch.empty(capacity, dtype=torch.uint8, device=device)
+        transfer(packet, on_host)
+        head = _host_head(packet)
+        length = int(head[:8].view(torch.int64))
         if length < 0:
-            message = torch.empty(-length, dtype=torch.uint8, device=self.device)
-            transfer(message)
-            length = int(message[:8].view(torch.int64).item())
+            packet = torch.empty(-length, dtype=torch.uint8, device=device)
+            transfer(packet, on_host)
+            head = _host_head(packet)
+            length = int(head[:8].view(torch.int64))
         self._capacity[channel] = _next_capacity(capacity, length)
-        return message, length
-
-    def _received(self, received: tuple[torch.Tensor, int]) -> tuple[Any, Any]:
-        message, _ = received
-        header_length = int(message[8:16].view(torch.int64).item())
-        header = message[_PREFIX:_PREFIX + header_length].cpu().numpy().tobytes()
-        spec, described, distributed, note = json.loads(header.decode())
+        header_length = int(head[8:16].view(torch.int64))
+        if len(head) < _PREFIX + header_length:
+            head = packet[:_PREFIX + header_length].cpu()
+        spec, described, distributed, note = json.loads(head[_PREFIX:_PREFIX + header_length].numpy().tobytes())
         layout = [(_DTYPES[dtype], shape) for dtype, shape in described]
-        tensors = unpack(message, layout, _aligned(_PREFIX + header_length))
+        if on_host:
+            packet = torch.empty(packed_size(layout), dtype=torch.uint8, device=self.device)
+            if layout:
+                transfer(packet, False)
+            tensors = unpack(packet, layout)
+        else:
+            tensors = unpack(packet, layout, _aligned(_PREFIX + header_length))
         for index, dims, placements, shape, stride in distributed:
             assert self.mesh_of is not None  # a DTensor was sent: the job has a mesh
             tensors[index] = rebuilt_dtensor(tensors[index], self.mesh_of(tuple(dims)), placements, shape, stride)
@@ -171,7 +197,7 @@ class EagerLink:
         header = b""
         tensors: list[torch.Tensor] = []
         if mine:
-            header, tensors, _ = self._composed(value, None)
+            header, tensors = self._composed(value, None)
         size = torch.tensor([len(header)], dtype=torch.int64, device=self.device)
         self._broadcast(size, source, what)
         data = (torch.frombuffer(bytearray(header), dtype=torch.uint8).to(self.device) if mine
@@ -192,8 +218,9 @@ class EagerLink:
             received[index] = rebuilt_dtensor(received[index], self.mesh_of(tuple(dims)), placements, shape, stride)
         return unflatten(spec, received)
 
-    def _broadcast(self, tensor: torch.Tensor, source: int, what: str) -> None:
-        self._wait(dist.broadcast(tensor, source, group=self.group, async_op=True), source, what, "waiting for")
+    def _broadcast(self, tensor: torch.Tensor, source: int, what: str, group: Any = None) -> None:
+        work = dist.broadcast(tensor, source, group=group if group is not None else self.group, async_op=True)
+        self._wait(work, source, what, "waiting for")
 
     def _wait(self, work: Any, peer: int, what: str, doing: str) -> None:
         try:
@@ -209,6 +236,12 @@ class EagerLink:
                 f"`if self.global_rank == 0` runs it on one rank only. Run it on every rank and print or log the "
                 f"result on rank 0."
             ) from error
+
+
+def _host_head(packet: torch.Tensor) -> torch.Tensor:
+    """The packet's first bytes on the host, where its length and header are: on a device, one copy (which waits for
+    the transfer) of as much as a header usually takes."""
+    return packet if packet.device.type == "cpu" else packet[:4096].cpu()
 
 
 # ------------------------------------------------------------------------------------------------- caches mirrored
