@@ -89,6 +89,7 @@ class EagerLink:
         # there, and the tensors after them on the device, so that no receiver reads the device to learn what comes
         self.host_group = host_group if device.type != "cpu" else None
         self.replay = replaying()
+        self._sending: list[tuple[Any, torch.Tensor, int, str]] = []  # posted sends: work, buffer, peer, what
         # (kind, source, destination or what) -> the length both ends expect the channel's next packet to have
         self._capacity: dict[tuple[Any, ...], int] = {}
 
@@ -111,12 +112,23 @@ class EagerLink:
         return self._receive(channel, transfer)
 
     def send(self, value: Any, destination: int, what: str, note: Any = None) -> None:
-        """``value`` and ``note`` (JSON) to global rank ``destination`` (which calls :meth:`recv`)."""
+        """``value`` and ``note`` (JSON) to global rank ``destination`` (which calls :meth:`recv`). Returns once posted:
+        a gloo send completes only once its receive is posted, and this rank has its own work to go on with."""
+        self._finish_sends()
+
         def transfer(tensor: torch.Tensor, on_host: bool) -> None:
             group = self.host_group if on_host else self.group
-            self._wait(dist.isend(tensor, destination, group=group, tag=_TAG), destination, what, "sending")
+            work = dist.isend(tensor, destination, group=group, tag=_TAG)
+            self._sending.append((work, tensor, destination, what))
 
         self._send(value, note, ("p2p", dist.get_rank(), destination), transfer)
+
+    def _finish_sends(self) -> None:
+        """Wait for the sends posted before (long done in a pass that follows: each was received), so that their
+        buffers go and a failure is told."""
+        while self._sending:
+            work, _, destination, what = self._sending.pop(0)
+            self._wait(work, destination, what, "sending")
 
     def recv(self, source: int, what: str) -> tuple[Any, Any]:
         """What global rank ``source`` sends with :meth:`send`: the value and its note."""
