@@ -13,8 +13,10 @@ per (world size, environment), as torch's ``MultiProcContinuousTest`` does: they
 starts in what a fresh process would hold (``_worker.py``: the launcher's environment, the random generators, signal
 handlers, logging and warning filters as after the imports; the default process group ended after each job). A pool
 takes the next job only when every rank ran the last one through and left nothing running; a job that fails, dies,
-times out or is interrupted closes its pool (SIGKILL, as above) and the next job starts a new one. Jobs that need a
-fresh process (`FRESH_SCENARIOS`, ``launch(fresh=True)``) and ``launch_torchrun`` start their own processes.
+times out or is interrupted closes its pool (SIGKILL, as above). After a job that failed (the failure tiers run
+several in a row) a new pool starts at once, its ranks importing while the test checks the results; otherwise the
+next job starts one. Jobs that need a fresh process (`FRESH_SCENARIOS`, ``launch(fresh=True)``) and
+``launch_torchrun`` start their own processes.
 ``LPP_TEST_FRESH_PROCESSES=1`` starts fresh processes for every job.
 
 Ports: as under torchrun, the launching process hosts the rendezvous store (``TORCHELASTIC_USE_AGENT_STORE``) and every
@@ -153,7 +155,8 @@ def launch(world_size: int, runs: list[dict[str, Any]], timeout: float = DEFAULT
            fresh: bool = False) -> list[RankResult]:
     """Run ``runs`` (each ``{"scenario": name, "kwargs": {...}}``) on ``world_size`` ranks: the warm ranks of the
     session's worker pool for ``world_size`` and this environment, or ``world_size`` fresh processes with ``fresh``,
-    for a scenario in `FRESH_SCENARIOS`, outside pytest (no `worker_pools`) or with ``LPP_TEST_FRESH_PROCESSES=1``.
+    for a scenario in `FRESH_SCENARIOS`, for more ranks than the pools keep (``LPP_TEST_POOL_PROCESSES``, 6), outside
+    pytest (no `worker_pools`) or with ``LPP_TEST_FRESH_PROCESSES=1``.
     The results are the same either way (see the module docstring).
 
     Raises:
@@ -163,6 +166,7 @@ def launch(world_size: int, runs: list[dict[str, Any]], timeout: float = DEFAULT
     _check_timeout("launch", timeout)
     pools = _pools
     if (pools is None or fresh or any(run["scenario"] in FRESH_SCENARIOS for run in runs)
+            or world_size > pools.max_processes  # would close every other pool, and not be kept itself
             or threading.current_thread() is not threading.main_thread()):  # see _Pool (the kernel's parent death)
         return _launch_fresh(world_size, runs, timeout)
     return pools.launch(world_size, runs, timeout)
@@ -230,6 +234,7 @@ class _Pool:
     def __init__(self, world_size: int) -> None:
         self.world_size = world_size
         self.jobs = 0
+        self.ahead = False  # started before any job asked for it (see WorkerPools.launch)
         self._dir = Path(tempfile.mkdtemp(prefix="lpp-pool-"))
         self._reaper = _start_reaper()
         self.procs: list[subprocess.Popen[bytes]] = []
@@ -316,13 +321,14 @@ class WorkerPools:
     """The warm ranks of a pytest session (see `worker_pools`): a `_Pool` per (world size, environment), at most
     ``max_processes`` ranks in all (the least recently used pools close first). A pool takes the next job only when
     every rank of its last job ran it through and left nothing running (`_worker.py`'s ``tidy``); otherwise, and
-    when a job times out or the launching process is interrupted, it is closed (SIGKILLed) and the next job of its
-    kind starts a new one."""
+    when a job times out or the launching process is interrupted, it is closed (SIGKILLed): a new one starts at once
+    after a job that ended on its own, else with the next job of its kind."""
 
     def __init__(self, max_processes: int = POOL_PROCESSES) -> None:
         self.max_processes = max_processes
         self._pools: dict[tuple[int, tuple[tuple[str, str], ...]], _Pool] = {}
         self.started = self.warm_jobs = self.jobs = 0
+        self.early_jobs = self.unused_ahead = 0  # jobs on pools started ahead (see launch); such pools never used
         self.closed_because: list[str] = []
 
     def launch(self, world_size: int, runs: list[dict[str, Any]], timeout: float) -> list[RankResult]:
@@ -333,12 +339,10 @@ class WorkerPools:
             self._close(pool, "a rank died between jobs")
             pool = None
         if pool is None:
-            while self._pools and sum(p.world_size for p in self._pools.values()) + world_size > self.max_processes:
-                self._close(self._pools.pop(next(iter(self._pools))), None)  # the least recently used
-            pool = _Pool(world_size)
-            self.started += 1
+            pool = self._start(world_size)
         self.jobs += 1
         self.warm_jobs += pool.jobs > 0
+        self.early_jobs += pool.jobs == 0 and pool.ahead
         unfit: str | None = "the launching process was interrupted"
         try:
             with tempfile.TemporaryDirectory() as tmp:
@@ -351,10 +355,24 @@ class WorkerPools:
                 self._pools[key] = pool  # the most recently used: last
             else:
                 self._close(pool, unfit)
+        if unfit is not None and world_size <= self.max_processes:
+            # the job ended on its own (failed, or left something running): its kind of job usually comes next
+            # (the failure tiers), so its replacement imports while this process checks the results
+            self._pools[key] = self._start(world_size, ahead=True)
         return ranks
+
+    def _start(self, world_size: int, ahead: bool = False) -> _Pool:
+        """A new pool, after closing the least recently used ones while the ranks would be too many."""
+        while self._pools and sum(p.world_size for p in self._pools.values()) + world_size > self.max_processes:
+            self._close(self._pools.pop(next(iter(self._pools))), None)
+        self.started += 1
+        pool = _Pool(world_size)
+        pool.ahead = ahead
+        return pool
 
     def _close(self, pool: _Pool, why: str | None) -> None:
         pool.close()
+        self.unused_ahead += pool.jobs == 0 and pool.ahead
         if why is not None:
             self.closed_because.append(why)
 
@@ -364,8 +382,9 @@ class WorkerPools:
 
     def summary(self) -> str:
         reasons = "; ".join(f"{n} x {why}" for why, n in Counter(self.closed_because).most_common())
-        return (f"worker pools: {self.jobs} jobs, {self.warm_jobs} on warm ranks, {self.started} pools started"
-                + (f" ({len(self.closed_because)} closed after a job: {reasons})" if reasons else ""))
+        return (f"worker pools: {self.jobs} jobs, {self.warm_jobs} on warm ranks and {self.early_jobs} on ranks "
+                f"started ahead; {self.started} pools started, {self.unused_ahead} of them ahead in vain"
+                + (f"; {len(self.closed_because)} closed after a job: {reasons}" if reasons else ""))
 
 
 _pools: WorkerPools | None = None

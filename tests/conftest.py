@@ -2,6 +2,7 @@
 Multi-process jobs run on warm ranks kept for the session (see _launch.py)."""
 
 import os
+import signal
 from collections.abc import Iterator
 
 import pytest
@@ -34,9 +35,14 @@ def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:
 def _as_before() -> Iterator[None]:
     """A test that fits in-process leaves Lightning's changes to the process behind: the thread count
     (``_set_num_threads_if_needed``) and the environment (``MASTER_PORT`` of a store that still listens). Put both back,
-    so a later test's single-device reference sums as the ranks do and a later launch does not reuse that port."""
+    so a later test's single-device reference sums as the ranks do and a later launch does not reuse that port; and
+    the signal handlers (a SIGINT handler left replaced made test_launch's interrupted launch wait for its timeout)."""
     environment = dict(os.environ)
+    handlers = {signum: signal.getsignal(signum) for signum in (signal.SIGINT, signal.SIGTERM)}
     yield
     torch.set_num_threads(1)
     os.environ.clear()
     os.environ.update(environment)
+    for signum, handler in handlers.items():
+        if handler is not None and signal.getsignal(signum) is not handler:
+            signal.signal(signum, handler)

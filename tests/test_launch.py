@@ -64,6 +64,7 @@ def test_exception_in_the_launching_process_leaves_no_process(tmp_path: Path, fr
             _thread.interrupt_main()  # KeyboardInterrupt in the test's thread, inside launch's wait
 
     interrupter = threading.Thread(target=interrupt_once_started, daemon=True)
+    handler = signal.signal(signal.SIGINT, signal.default_int_handler)  # interrupt_main needs Python's own handler
     interrupter.start()
     try:
         with pytest.raises(KeyboardInterrupt):
@@ -72,6 +73,7 @@ def test_exception_in_the_launching_process_leaves_no_process(tmp_path: Path, fr
     finally:
         launch_ended.set()
         interrupter.join()
+        signal.signal(signal.SIGINT, handler)
     pids = job_pids(tmp_path)
     assert len(pids) == 4, "the ranks did not start their children in time"
     assert_all_ended(pids)
