@@ -22,6 +22,8 @@ from typing import Any
 # a rank holding more than this after a job is retired (lightning_pp keeps freed memory: see its allocator module)
 RETIRE_ABOVE_BYTES = 1536 * 2**20
 THREADS_END_WITHIN_S = 2.0  # threads a job's fit told to stop at teardown may still be on their way out
+# threads a library starts once and keeps for the process by design, watching nothing of a job's
+LIBRARY_THREADS = {"tqdm_monitor"}
 
 
 def _die_with_launcher(launcher_pid: int) -> None:
@@ -150,6 +152,7 @@ class _FreshState:
         if dist.is_available() and dist.is_initialized():
             dist.destroy_process_group()
         gc.collect()
+        self.threads |= {t for t in threading.enumerate() if t.name in LIBRARY_THREADS}
         left = [t for t in threading.enumerate() if t not in self.threads]
         for thread in left:
             thread.join(timeout=THREADS_END_WITHIN_S / max(1, len(left)))
