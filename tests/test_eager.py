@@ -119,7 +119,7 @@ def _exchange(rank: int, port: int, host_group: bool) -> None:
         for step, shape in enumerate(sizes):
             value = (torch.arange(math.prod(shape), dtype=torch.float32).reshape(shape) + step, {"step": step})
             if rank == 0:
-                link.send(value, 1, "a test's value", note={"0": ["layer", step]})
+                link.send(value, [1], "a test's value", note={"0": ["layer", step]})
             elif rank == 1:
                 got, note = link.recv(0, "a test's value")
                 assert torch.equal(got[0], value[0]) and got[1] == {"step": step} and note == {"0": ["layer", step]}

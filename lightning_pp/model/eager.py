@@ -107,25 +107,30 @@ class EagerLink:
 
         channel = ("broadcast", source, what)
         if dist.get_rank() == source:
-            self._send(value, note, channel, transfer)
+            self._send(self._composed(value, note), channel, transfer)
             return value, note
         return self._receive(channel, transfer)
 
-    def send(self, value: Any, destination: int, what: str, note: Any = None) -> None:
-        """``value`` and ``note`` (JSON) to global rank ``destination`` (which calls :meth:`recv`). Returns once posted:
-        a gloo send completes only once its receive is posted, and this rank has its own work to go on with."""
+    def send(self, value: Any, destinations: list[int], what: str, note: Any = None, wait: bool = False) -> None:
+        """``value`` and ``note`` (JSON) to each of global ranks ``destinations``, in that order (each calls
+        :meth:`recv`). Unless ``wait``, returns once posted (a gloo send completes only once its receive is posted, and
+        this rank has its own work to go on with): this rank's next :meth:`recv` or :meth:`send` waits for it. A pass's
+        last message must be waited for: the run may end after it, and its groups with it."""
         self._finish_sends()
+        composed = self._composed(value, note)
+        for destination in destinations:
+            def transfer(tensor: torch.Tensor, on_host: bool, destination: int = destination) -> None:
+                group = self.host_group if on_host else self.group
+                work = dist.isend(tensor, destination, group=group, tag=_TAG)
+                self._sending.append((work, tensor, destination, what))
 
-        def transfer(tensor: torch.Tensor, on_host: bool) -> None:
-            group = self.host_group if on_host else self.group
-            work = dist.isend(tensor, destination, group=group, tag=_TAG)
-            self._sending.append((work, tensor, destination, what))
-
-        self._send(value, note, ("p2p", dist.get_rank(), destination), transfer)
+            self._send(composed, ("p2p", dist.get_rank(), destination), transfer)
+        if wait:
+            self._finish_sends()
 
     def _finish_sends(self) -> None:
-        """Wait for the sends posted before (long done in a pass that follows: each was received), so that their
-        buffers go and a failure is told."""
+        """Wait for the sends posted before (done by now, or at least received: what came since depends on them), so
+        that their buffers go and a failure is told."""
         while self._sending:
             work, _, destination, what = self._sending.pop(0)
             self._wait(work, destination, what, "sending")
@@ -136,7 +141,9 @@ class EagerLink:
             group = self.host_group if on_host else self.group
             self._wait(dist.irecv(tensor, source, group=group, tag=_TAG), source, what, "waiting for")
 
-        return self._receive(("p2p", source, dist.get_rank()), transfer)
+        received = self._receive(("p2p", source, dist.get_rank()), transfer)
+        self._finish_sends()  # what this rank sent before in the pass has arrived: this depends on it
+        return received
 
     def _composed(self, value: Any, note: Any) -> tuple[bytes, list[torch.Tensor]]:
         """The header (JSON: the structure, each tensor's dtype and shape, the DTensors' layouts, ``note``) and the
@@ -148,11 +155,11 @@ class EagerLink:
                             separators=(",", ":")).encode()
         return header, tensors
 
-    def _send(self, value: Any, note: Any, channel: tuple[Any, ...],
+    def _send(self, composed: tuple[bytes, list[torch.Tensor]], channel: tuple[Any, ...],
               transfer: Callable[[torch.Tensor, bool], None]) -> None:
         """One packet of the channel's capacity (the length, the header, the tensors unless they travel apart), after
         an announcement of its length where it does not fit; with a host group, the tensors then on the device."""
-        header, tensors = self._composed(value, note)
+        header, tensors = composed
         on_host = self.host_group is not None
         packed, device = ([], torch.device("cpu")) if on_host else (tensors, self.device)
         start = _aligned(_PREFIX + len(header))

@@ -296,8 +296,8 @@ class StageView:
     def eager_stand_in(self, index: int, owner: int, stand_in: nn.Module, args: tuple[Any, ...],
                        kwargs: dict[str, Any]) -> Any:
         """What the stand-in of block ``index`` (held by stage ``owner``) returns in an eager pass: where the block ends
-        that stage, its output as that stage sent it to this rank (the next stage's, or every rank for the last
-        stage); else zeros, marked, of its input's shape (of its output's, where its copy ran).
+        that stage, its output as that stage sent it to this rank (the next stage's; every rank the last stage's);
+        else zeros, marked, of its input's shape (of its output's, where its copy ran).
         A cache it is handed advances by the description the owner's output brings (see
         :mod:`lightning_pp.model.eager`); a cache of another kind by running the block's weightless copy on the meta
         device, so that it changes as on one device (its length)."""
@@ -321,7 +321,7 @@ class StageView:
             what = f"the output of stage {owner}"
             last = owner == self.num_stages - 1
             if link.replay or last or owner + 1 in self.stages:
-                if link.replay or last:
+                if link.replay:
                     output, carried = link.broadcast_noted(None, self.rank_of(owner), what)
                 else:
                     output, carried = link.recv(self.rank_of(owner), what)
@@ -393,14 +393,18 @@ class StageView:
         if self.eager_now():
             link, what = self.eager, f"the output of stage {stage}"
             assert link is not None
-            if link.replay or stage == self.num_stages - 1:  # to every rank: the code after the blocks runs everywhere
-                self.mirror.after_blocks()
-                link.broadcast_noted(output, self.rank_of(stage), what, self.mirror.carried)
+            self.mirror.after_blocks()
+            if link.replay:
+                link.broadcast_noted(output, self.rank_of(stage), what)
+            elif stage == self.num_stages - 1:
+                # to every rank, the code after the blocks runs everywhere: the first stage's first, which goes on with
+                # the next pass's blocks while the others run that code up to their stand-ins
+                here = self.rank_of(stage)
+                ranks = dict.fromkeys(self.rank_of(s) for s in range(self.num_stages))
+                link.send(output, [rank for rank in ranks if rank != here], what, self.mirror.carried, wait=True)
                 self.mirror.reset()
-            else:
-                self.mirror.after_blocks()
-                if stage + 1 not in self.stages:  # else this rank's next stage runs on with it
-                    link.send(output, self.rank_of(stage + 1), what, self.mirror.carried)
+            elif stage + 1 not in self.stages:  # else this rank's next stage runs on with it
+                link.send(output, [self.rank_of(stage + 1)], what, self.mirror.carried)
             self._count_pass(self.ranges[stage][-1])
             return
         if self.mode is not Mode.MICROBATCH or stage != self.stage:
