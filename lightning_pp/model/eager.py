@@ -1,28 +1,29 @@
-"""Passes through the blocks run now, on the whole input, every rank of the pipeline in step: for model code that
-passes through the blocks several times in one step (autoregressive generation in ``predict_step``) or outside the
-steps (sampling text in ``on_validation_epoch_end``).
+"""Passes through the blocks run now, on the whole input, every rank of the pipeline in step: for model code that passes
+through the blocks several times in one step (autoregressive generation in ``predict_step``) or outside the steps
+(sampling text in ``on_validation_epoch_end``).
 
-Every rank runs the model's code. When the loop reaches a block this rank holds, the block runs. The output of a
-stage's last block goes, as one message, to the rank of the next stage only, whose stand-in of that block returns it;
-the last stage's output is broadcast to every rank, so the code after the blocks (the head, a generation loop's
-sampling and stopping test) sees the real activation everywhere and continues identically. A stand-in of any other
-block returns zeros of its input's shape, marked as held elsewhere (:mod:`lightning_pp.runtime.remote`).
+Every rank runs the model's code. When the loop reaches a block this rank holds, the block runs. The output of a stage's
+last block goes, as one message, to the rank of the next stage only, whose stand-in of that block returns it; the last
+stage's output goes to every rank (the first stage's first: it goes on with the next pass's blocks), so the code after
+the blocks (the head, a generation loop's sampling and stopping test) sees the real activation everywhere and continues
+identically. A stand-in of any other block returns zeros of its input's shape, marked as held elsewhere
+(:mod:`lightning_pp.runtime.remote`).
 
 A key/value cache the model hands its blocks (Hugging Face's ``DynamicCache``) must advance on every rank as on one
 device, because the model reads it outside the blocks (the length of layer 0 places positions and masks). Its layers
 that another stage's blocks fill are mirrored, not recomputed: the rank holding a block describes the cache layers its
 blocks changed (each tensor's dtype and shape, the layer's plain values), the description travels with the stage's
-output down the pipeline and in the last broadcast, and every other rank sets its copy of those layers to meta-device
-tensors of those shapes and those values. A cache of a type :func:`cache_of` does not know keeps the exact way that
-needs no knowledge of it: the block's weightless copy runs on the meta device (slower), with one log line.
+output down the pipeline and with the last stage's to every rank, and every other rank sets its copy of those layers to
+meta-device tensors of those shapes and those values. A cache of a type :func:`cache_of` does not know keeps the exact
+way that needs no knowledge of it: the block's weightless copy runs on the meta device (slower), with one log line.
 ``LIGHTNING_PP_EAGER=replay`` forces that way and the old transfers (every stage's output broadcast, in three
 collectives), for benchmarks and tests.
 
 A message is one collective or one point-to-point transfer: its first bytes say how long it is, its JSON header what it
-holds, then the tensors. Both ends of a channel expect a message of the channel's capacity, which both update alike
-from each message's length; only a message that does not fit is announced first (a second message). A transfer that
-does not complete within the transfer timeout (a pass run on some ranks only, as under ``if self.global_rank == 0``)
-raises :class:`~lightning_pp.PipelineCommError` naming the hook and the way out.
+holds, then the tensors. Both ends of a channel expect a message of the channel's capacity, which both update alike from
+each message's length; only a message that does not fit is announced first (a second message). A transfer that does not
+complete within the transfer timeout (a pass run on some ranks only, as under ``if self.global_rank == 0``) raises
+:class:`~lightning_pp.PipelineCommError` naming the hook and the way out.
 """
 
 from __future__ import annotations
