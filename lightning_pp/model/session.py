@@ -140,7 +140,8 @@ class StageSession:
         view.eager = EagerLink(self.assembly.groups.pipeline, self.device, options.transfer_timeout,
                                where=lambda: f"stage {self.stage} (rank {self.rank})",
                                hook=lambda: _compat.current_hook(self.module),
-                               mesh_of=p2p.mesh_of if p2p is not None else None)
+                               mesh_of=p2p.mesh_of if p2p is not None else None,
+                               host_group=p2p.results_group if p2p is not None else None)  # NCCL: headers on the host
         view.rank_of = lambda stage: layout.rank(stage_to_rank[stage], lane)
         placement = self.assembly.placement
         if placement is not None:
