@@ -114,7 +114,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     trainer.fit(mse_module(blocks(spec["us_per_row"])), DataLoader(data, batch_size=BATCH))
     windows = [b - a for a, b in zip(clock.marks, clock.marks[1:], strict=False)][spec["warmup"]:]
     choice = strategy.telemetry.auto_choice
-    options = strategy.options
+    options = strategy.resolved_options
     return {"steps_s": windows, "chosen": choice.describe() if choice is not None else None,
             "predicted_s": choice.step_s if choice is not None else None,
             "config": f"{options.schedule} m={options.microbatches} balance={options.balance}"}

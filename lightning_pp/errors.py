@@ -29,4 +29,4 @@ class PipelineCommError(RuntimeError):
 
 
 class PipelineTimeoutError(PipelineCommError):
-    """A point-to-point transfer did not complete within the strategy's ``timeout``."""
+    """A point-to-point transfer did not complete within the strategy's ``transfer_timeout``."""

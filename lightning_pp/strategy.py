@@ -187,8 +187,9 @@ class PipelineParallelStrategy(ReplicaCollectives, PipelineDataHooks, LoopHooks)
 
     @property
     def resolved_options(self) -> PipelineOptions:
-        """The options runs use: the user's (:attr:`options`, kept as given), with ``schedule="auto"`` made concrete
-        once the first run chose (later runs keep the choice)."""
+        """The options runs use: :attr:`options` (the user's, as checked on construction: schedule names in our
+        spelling, the schedule's default ``stages_per_rank``), with ``schedule="auto"`` made concrete once the first
+        run chose (later runs keep the choice)."""
         return self._chosen or self.options
 
     @property

@@ -264,8 +264,9 @@ def test_fsdp_param_groups_of_a_state_before_and_after_torch_2_12() -> None:
 
 
 def test_the_package_logs_through_its_logger_never_print(monkeypatch: pytest.MonkeyPatch) -> None:
-    """No ``print`` in the package; its handler (where the application configured no logging) shows what is below
-    ERROR from global rank 0 only, errors from every rank, and stays silent where a root handler shows the record."""
+    """No ``print`` in the package; every module logs through ``get_logger``, whose records below ERROR are made on
+    global rank 0 only (also for an application's own handlers), a rank's own report on every rank, errors on every
+    rank; the package's handler writes only where the application configured no logging."""
     import ast
     import logging
     from pathlib import Path
@@ -273,27 +274,41 @@ def test_the_package_logs_through_its_logger_never_print(monkeypatch: pytest.Mon
     from lightning_utilities.core.rank_zero import rank_zero_only
 
     import lightning_pp
-    from lightning_pp._logging import RankZeroBelowError
+    from lightning_pp._logging import EVERY_RANK, get_logger
 
     package = Path(lightning_pp.__file__).parent
-    printed = [f"{path.relative_to(package)}:{node.lineno}" for path in package.rglob("*.py")
-               for node in ast.walk(ast.parse(path.read_text()))
-               if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print"]
-    assert printed == []
-    logger = logging.getLogger("lightning_pp")
-    assert logger.level == logging.INFO
-    [handler] = [h for h in logger.handlers if any(isinstance(f, RankZeroBelowError) for f in h.filters)]
+    printed, unfiltered = [], []
+    for path in package.rglob("*.py"):
+        text = path.read_text()
+        printed += [f"{path.relative_to(package)}:{node.lineno}" for node in ast.walk(ast.parse(text))
+                    if isinstance(node, ast.Call) and getattr(node.func, "id", None) == "print"]
+        unfiltered += [str(path.relative_to(package))] if "logging.getLogger(__name__)" in text else []
+    assert printed == [] and unfiltered == []
+    assert logging.getLogger("lightning_pp").level == logging.INFO
+    seen: list[str] = []
 
-    def shown(level: int, rank: int) -> bool:
-        monkeypatch.setattr(rank_zero_only, "rank", rank, raising=False)
-        return bool(handler.filter(logging.LogRecord("lightning_pp.x", level, __file__, 1, "m", None, None)))
+    class Keep(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            seen.append(record.getMessage())
 
     root = logging.getLogger()
+    monkeypatch.setattr(root, "handlers", [Keep()])  # an application's own logging
+    log = get_logger("lightning_pp.some_module")
+    for rank in (0, 1):
+        monkeypatch.setattr(rank_zero_only, "rank", rank, raising=False)
+        log.info(f"info {rank}")
+        log.warning(f"warning {rank}")
+        log.info(f"own {rank}", extra=EVERY_RANK)
+        log.error(f"error {rank}")
+    assert seen == ["info 0", "warning 0", "own 0", "error 0", "own 1", "error 1"]
+    [ours] = logging.getLogger("lightning_pp").handlers
+    record = logging.LogRecord("lightning_pp.x", logging.INFO, __file__, 1, "m", None, None)
+    written: list[logging.LogRecord] = []
+    monkeypatch.setattr(logging.StreamHandler, "emit", lambda self, r: written.append(r))
+    ours.handle(record)  # the application shows it: not written twice
     monkeypatch.setattr(root, "handlers", [])
-    assert shown(logging.INFO, 0) and not shown(logging.INFO, 1) and not shown(logging.WARNING, 1)
-    assert shown(logging.ERROR, 1)
-    monkeypatch.setattr(root, "handlers", [logging.NullHandler()])
-    assert not shown(logging.INFO, 0) and not shown(logging.ERROR, 1)
+    ours.handle(record)
+    assert written == [record]
     assert lightning_pp.__version__ == __import__("importlib.metadata").metadata.version("lightning_pp")
 
 

@@ -299,8 +299,9 @@ class StageCheckpoints:
             dcp.save(written, checkpoint_id=new, planner=DefaultSavePlanner(dedup_save_to_lowest_rank=True),
                      process_group=self._objects())
         except Exception as error:
-            error.add_note(f"lightning_pp: the checkpoint at {folder} is unchanged (the new one went to {new}, which "
-                           f"the next save to {folder} removes)")
+            if hasattr(error, "add_note"):  # Python 3.11 on
+                error.add_note(f"lightning_pp: the checkpoint at {folder} is unchanged (the new one went to {new}, "
+                               f"which the next save to {folder} removes)")
             raise
         failure: Exception | None = None
         if self.rank == 0:  # every rank has written its shards and torch's `.metadata` is written: the last part

@@ -5,7 +5,6 @@ step, keep each weight outside the blocks only where it is used."""
 from __future__ import annotations
 
 import contextlib
-import logging
 import weakref
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
@@ -16,6 +15,7 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_pp import _compat
+from lightning_pp._logging import EVERY_RANK, get_logger
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.model.callbacks import check_callbacks
 from lightning_pp.model.materialize import has_meta_tensors, left_uninitialized, materialize
@@ -44,7 +44,7 @@ __all__ = ["StageAssembly", "assemble_stage", "check_initialized", "is_assembled
            "place_outside_weights", "placement_of", "refuse_manual_optimization", "refuse_unsupported",
            "set_aside_example_input", "setup_optimizers_everywhere", "shard_outside_weights"]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 @dataclass
@@ -301,9 +301,9 @@ def place_outside_weights(assembly: StageAssembly, optimizers: Sequence[Any], de
     if sharding is not None and sharding.shard_blocks:  # data_parallel_mode="fsdp": what can be, sharded like blocks
         assembly.to_shard = units, bare = placement.shardable(every_rank_agrees)
         lines[0] += f"; {len(units)} module(s) and {len(bare)} unused weight(s) here sharded over the replicas (FSDP2)"
-    log.info(lines[0])
+    log.info(lines[0], extra=EVERY_RANK)  # each rank's own report
     for line in lines[1:]:  # weights kept on a rank that does not use them: worth a user's look
-        log.warning(line)
+        log.warning(line, extra=EVERY_RANK)
     _sum_shared_weights(placement, grads, groups, new_group)
 
 

@@ -29,7 +29,6 @@ complete within the transfer timeout (a pass run on some ranks only, as under ``
 from __future__ import annotations
 
 import json
-import logging
 import os
 import weakref
 from collections.abc import Callable
@@ -40,20 +39,24 @@ import torch
 import torch.distributed as dist
 from torch.distributed.tensor import DTensor
 
+from lightning_pp._logging import get_logger
 from lightning_pp.errors import PipelineCommError
 from lightning_pp.runtime.p2p import described_dtensor, rebuilt_dtensor
 from lightning_pp.runtime.wire import flatten, pack, packed_size, unflatten, unpack
 
 __all__ = ["CacheMirror", "EagerLink", "cache_of", "replaying"]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
-_DTYPES = {str(dtype): dtype for dtype in (torch.float32, torch.float64, torch.float16, torch.bfloat16, torch.int64,
-                                           torch.int32, torch.int16, torch.int8, torch.uint8, torch.bool)}
 _PREFIX = 16  # two int64 before the header: the content's length (negative: the message follows, that long), header's
 _ALIGN = 16
 _TAG = 0x4541  # gloo matches point-to-point messages per peer and tag: eager messages keep to their own
 _FIRST_CAPACITY = 256
+
+
+def _dtype(name: str) -> torch.dtype:
+    """The dtype ``str(dtype)`` names (``"torch.float32"``): any of torch's, as the packets carry bytes."""
+    return getattr(torch, name.removeprefix("torch."))  # type: ignore[no-any-return]
 
 
 def replaying() -> bool:
@@ -172,7 +175,7 @@ class EagerLink:
             announcement[:8].view(torch.int64).fill_(-following)
             transfer(announcement, on_host)
         packet = pack(packed, device, start, following if length > capacity else capacity)
-        prefix = torch.tensor([length, len(header)], dtype=torch.int64).view(torch.uint8)
+        prefix = torch.tensor([length, len(header)], dtype=torch.int64, device="cpu").view(torch.uint8)
         header_bytes = torch.frombuffer(bytearray(header), dtype=torch.uint8)
         packet[:_PREFIX + len(header)].copy_(torch.cat([prefix, header_bytes]))
         transfer(packet, on_host)
@@ -198,7 +201,7 @@ class EagerLink:
         if len(head) < _PREFIX + header_length:
             head = packet[:_PREFIX + header_length].cpu()
         spec, described, distributed, note = json.loads(head[_PREFIX:_PREFIX + header_length].numpy().tobytes())
-        layout = [(_DTYPES[dtype], shape) for dtype, shape in described]
+        layout = [(_dtype(dtype), shape) for dtype, shape in described]
         if on_host:
             packet = torch.empty(packed_size(layout), dtype=torch.uint8, device=self.device)
             if layout:
@@ -224,7 +227,7 @@ class EagerLink:
                 else torch.empty(int(size.item()), dtype=torch.uint8, device=self.device))
         self._broadcast(data, source, what)
         spec, described, distributed, _ = json.loads(data.cpu().numpy().tobytes().decode())
-        layout = [(_DTYPES[dtype], shape) for dtype, shape in described]
+        layout = [(_dtype(dtype), shape) for dtype, shape in described]
         if not layout:
             return value if mine else unflatten(spec, [])
         payload = (pack(tensors, self.device) if mine
@@ -270,7 +273,7 @@ _LAYERS = {"DynamicLayer", "DynamicSlidingWindowLayer", "LinearAttentionLayer", 
            "LinearAttentionAndSlidingWindowAttentionLayer"}
 _HF_CACHES = "transformers.cache_utils"
 _PLAIN = (type(None), bool, int, float, str)
-_told: set[str] = set()
+_logged: set[str] = set()  # the cache types said once (a test worker resets sets of this name)
 
 
 def _objects_in(value: Any, found: list[Any]) -> None:
@@ -289,7 +292,17 @@ def _known(cache: Any) -> bool:
     layers = getattr(cache, "layers", None)
     return (kind.__name__ in _CACHES and kind.__module__ == _HF_CACHES and isinstance(layers, list)
             and all(type(layer).__name__ in _LAYERS and type(layer).__module__ == _HF_CACHES for layer in cache.layers)
-            and _replicated_known(getattr(cache, "layer_class_to_replicate", None)))
+            and _replicated_known(getattr(cache, "layer_class_to_replicate", None))
+            and all(_describable(value) for layer in cache.layers for value in vars(layer).values()))
+
+
+def _describable(value: Any) -> bool:
+    """Whether :func:`_described` describes ``value`` whole (a layer holding anything else is replayed instead)."""
+    if isinstance(value, (torch.Tensor, torch.dtype, torch.device, *_PLAIN)):
+        return True
+    if type(value) is dict:
+        return all(isinstance(k, (int, str)) and _describable(v) for k, v in value.items())
+    return type(value) in (list, tuple) and all(_describable(v) for v in value)
 
 
 def _replicated_known(kind: Any) -> bool:
@@ -308,8 +321,8 @@ def cache_of(args: Any, kwargs: Any, index: int) -> tuple[Any, bool]:
     if len(found) == 1 and _known(found[0]):
         return found[0], True
     kinds = ", ".join(sorted({type(v).__qualname__ for v in found}))
-    if kinds not in _told:
-        _told.add(kinds)
+    if kinds not in _logged:
+        _logged.add(kinds)
         log.info("Generation through the pipeline: the blocks are handed %s, which the fast path does not mirror; the "
                  "stand-ins of other stages' blocks (block %d first) run their weightless copies on the meta device "
                  "to advance it as on one device (exact, slower).", kinds, index)
@@ -330,26 +343,23 @@ def _described(value: Any) -> Any:
         return ["{", [[k, _described(v)] for k, v in value.items()]]
     if type(value) in (list, tuple):
         return ["[" if type(value) is list else "(", [_described(v) for v in value]]
-    return ["?", type(value).__qualname__]  # kept as it is on the mirroring rank
+    raise TypeError(f"a cache layer's {type(value).__qualname__} (_known replays such caches)")
 
 
-def _rebuilt(described: list[Any], keep: Any) -> Any:
+def _rebuilt(described: list[Any]) -> Any:
     kind = described[0]
     if kind == "T":
-        return torch.empty(described[2], dtype=_DTYPES.get(described[1]) or getattr(torch, described[1][6:]),
-                           device="meta")
+        return torch.empty(described[2], dtype=_dtype(described[1]), device="meta")
     if kind == "V":
         return described[1]
     if kind == "D":
-        return getattr(torch, described[1][6:])
+        return _dtype(described[1])
     if kind == "@":
         return torch.device("meta")
     if kind == "{":
-        return {k: _rebuilt(v, None) for k, v in described[1]}
-    if kind in "[(":
-        items = [_rebuilt(v, None) for v in described[1]]
-        return items if kind == "[" else tuple(items)
-    return keep
+        return {k: _rebuilt(v) for k, v in described[1]}
+    items = [_rebuilt(v) for v in described[1]]  # "[" or "("
+    return items if kind == "[" else tuple(items)
 
 
 def _layer_described(layer: Any) -> list[Any]:
@@ -366,6 +376,12 @@ class CacheMirror:
         self._before: list[list[Any]] | None = None
         self._own: weakref.WeakKeyDictionary[Any, set[int]] = weakref.WeakKeyDictionary()
         self._cache: Any = None
+
+    def __getstate__(self) -> dict[str, Any]:  # a copy or a pickle of a stage (and its view) starts with none
+        return {}
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        self.__init__()  # type: ignore[misc]
 
     def reset(self) -> None:
         """A pass through the blocks is over."""
@@ -407,7 +423,9 @@ def _mirror(cache: Any, index: int, described: list[Any]) -> None:
     layer = cache.layers[index]
     name, attributes = described
     if type(layer).__name__ != name:
-        raise RuntimeError(f"cache layer {index} is a {type(layer).__name__} here and a {name} where it is computed")
+        raise PipelineCommError(f"Generation through the pipeline: cache layer {index} is a {type(layer).__name__} "
+                                f"here but a {name} on the stage that computes it; every rank must build the same "
+                                f"cache (the same model code and transformers version on every rank).")
     state = vars(layer)
     for attribute, value in attributes:
-        state[attribute] = _rebuilt(value, state.get(attribute))
+        state[attribute] = _rebuilt(value)

@@ -5,7 +5,6 @@ hooks call the session."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Sequence
 from contextlib import AbstractContextManager, nullcontext
 from typing import Any
@@ -17,6 +16,7 @@ from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.model_helpers import is_overridden
 
 from lightning_pp import _compat
+from lightning_pp._logging import get_logger
 from lightning_pp.checkpoint.state import StageCheckpoints
 from lightning_pp.model.assembly import (
     StageAssembly,
@@ -45,7 +45,7 @@ from lightning_pp.schedule.actions import Schedule
 
 __all__ = ["StageSession", "release"]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 Collective = Callable[[str], AbstractContextManager[None]]
 

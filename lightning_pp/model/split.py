@@ -2,13 +2,13 @@
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Sequence
 from dataclasses import dataclass
 
 from torch import Tensor, nn
 
 from lightning_pp import _compat
+from lightning_pp._logging import EVERY_RANK, get_logger
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.model.blocks import block_count, find_blocks
 from lightning_pp.model.stage import StageView
@@ -16,7 +16,7 @@ from lightning_pp.schedule.partition import stage_layer_ranges, uniform_balance,
 
 __all__ = ["Partition", "split_module"]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)
@@ -60,7 +60,7 @@ def split_module(module: nn.Module, blocks: str | None, balance: Sequence[int] |
     full_state_keys = list(module.state_dict())
     partition = Partition(StageView(name, container, stages, ranges), full_param_order, full_state_keys)
     held = ", ".join(f"stage {s}: blocks {ranges[s].start}-{ranges[s].stop - 1}" for s in stages)
-    log.info(f"This rank holds {held} of `{name}` ({num_blocks} blocks)")
+    log.debug(f"This rank holds {held} of `{name}` ({num_blocks} blocks)", extra=EVERY_RANK)
     return partition
 
 

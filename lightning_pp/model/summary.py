@@ -8,7 +8,6 @@ hold (a tied embedding and head) counts once, as on one device. Rank 0 then logs
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable
 from typing import Any
 
@@ -18,10 +17,11 @@ from lightning.pytorch.callbacks import ModelSummary as ModelSummaryCallback
 from lightning.pytorch.utilities.model_summary import ModelSummary, get_human_readable_count
 
 from lightning_pp import _compat
+from lightning_pp._logging import get_logger
 
 __all__ = ["PipelineSummary", "summarize_whole_model"]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 class PipelineSummary(ModelSummary):

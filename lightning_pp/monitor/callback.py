@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import io
 import json
-import logging
 import math
 import numbers
 import os
@@ -20,6 +19,7 @@ import torch
 import torch.distributed as dist
 from typing_extensions import override
 
+from lightning_pp._logging import get_logger
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.monitor.memory import (
     AllocatorPeakMeter,
@@ -46,7 +46,7 @@ from lightning_pp.schedule.timeline import (
 
 __all__ = ["PipelineMonitor", "draw_timelines", "to_chrome_trace"]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 _ROWS_TAG = 12  # a timed step's rows, sent to global rank 0 (on the object group)
 
@@ -123,7 +123,7 @@ class PipelineMonitor(pl.Callback):
     Every ``timeline_every_n_steps`` steps it also logs the image ``pipeline/timeline`` (measured and predicted
     timelines, stages x time; when the logger can take images) and, with ``trace_dir``, writes a Chrome-trace file
     ``pipeline_step{N}.json`` (one track per stage; open it in ui.perfetto.dev) and ``pipeline_step{N}.png``.
-    Without a logger, a per-stage summary table is printed at the end of ``fit``. With data-parallel replicas, the
+    Without a logger, a per-stage summary table is logged at the end of ``fit``. With data-parallel replicas, the
     pipeline of lane 0 (replica 0, tensor-parallel rank 0) is measured (the others run the same schedule on other
     samples or shards).
 

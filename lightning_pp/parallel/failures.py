@@ -5,25 +5,25 @@ failed collective raises an error naming this rank, the collective and the rank 
 A rank blocked in a transfer with a failed peer raises its own timeout error, but a rank stuck elsewhere (in user
 code, in a collective the failed rank never joins) would wait forever, and Lightning swallows SIGTERM. So each rank
 runs a watcher thread while a fit runs: once another rank has reported a failure and this rank has not ended within
-``grace`` seconds (long enough for its own transfer timeout to say where it was), the watcher prints why and ends the
+``grace`` seconds (long enough for its own transfer timeout to say where it was), the watcher logs why and ends the
 process.
 """
 
 from __future__ import annotations
 
 import contextlib
-import logging
 import os
 import threading
 import time
 from collections.abc import Callable, Iterator
 from typing import Any
 
+from lightning_pp._logging import get_logger
 from lightning_pp.errors import PipelineCommError
 
 __all__ = ["FailureSignal", "naming_failures"]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 _POLL_S = 0.5
 _fits_started = 0  # fits this process has run: names each fit's failure flag alike on every rank

@@ -99,7 +99,7 @@ class EmulatedNcclWork:
 
 def wait_for_operations_in_flight(waiter: str) -> None:
     """What ``waiter`` (a device or stream synchronize) does under the emulation: wait until every emulated NCCL
-    operation this rank posted has completed, at most each one's timeout (the strategy's ``timeout``) from now.
+    operation this rank posted has completed, at most each one's timeout (the strategy's ``transfer_timeout``) from now.
 
     Raises:
         PipelineTimeoutError: one did not complete in time: on a GPU the synchronize would never return.

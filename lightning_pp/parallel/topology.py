@@ -4,7 +4,6 @@ joining the job's process group (:func:`start_process_group`)."""
 from __future__ import annotations
 
 import atexit
-import logging
 import pickle
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass
@@ -15,6 +14,7 @@ import torch
 import torch.distributed as dist
 
 from lightning_pp import _compat
+from lightning_pp._logging import get_logger
 from lightning_pp.parallel.nccl_emulation import ENV_VAR, emulating_nccl
 
 __all__ = ["MESH_DIMS", "PipelineLayout", "StageGroups", "broadcast_object", "create_device_mesh", "create_groups",
@@ -23,7 +23,7 @@ __all__ = ["MESH_DIMS", "PipelineLayout", "StageGroups", "broadcast_object", "cr
 
 MESH_DIMS = ("pipeline_parallel", "data_parallel", "tensor_parallel")
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 @dataclass(frozen=True)

@@ -22,7 +22,6 @@ lead to it), the whole backward runs in I and W has nothing left to do; that is 
 
 from __future__ import annotations
 
-import logging
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,9 +29,11 @@ import torch
 from torch import Tensor, nn
 from torch.autograd.graph import GradientEdge, Node
 
+from lightning_pp._logging import EVERY_RANK, get_logger
+
 __all__ = ["WeightGradients", "backward_input", "backward_weight", "split_declined"]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 _logged: set[str] = set()
 
 
@@ -148,7 +149,7 @@ def backward_input(outputs: list[Tensor], output_grads: list[Tensor] | None, inp
         if declined not in _logged:
             _logged.add(declined)
             log.info(f"a stage's backward is not split into input and weight gradients ({declined}): "
-                     f"it runs whole where the schedule has the input gradient's action")
+                     f"it runs whole where the schedule has the input gradient's action", extra=EVERY_RANK)
         torch.autograd.backward(outputs, None if output_grads is None else grads,
                                 inputs=[*wanted, *(p for p in params if p.requires_grad)])
         dinputs = tuple(t.grad for t in wanted)

@@ -2,4 +2,4 @@
 ``search`` (the simulator's search over schedules, micro-batches, splits and recomputation) and ``autotune``
 (``schedule="auto"`` at fit's start: measure, search, agree on every rank).
 
-May import: ``model``, ``runtime``, ``schedule``, ``parallel``, ``options``, ``errors``, ``_compat``."""
+May import: ``model``, ``runtime``, ``schedule``, ``parallel``, ``run``, ``options``, ``errors``, ``_compat``."""

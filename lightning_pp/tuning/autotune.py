@@ -4,7 +4,7 @@ everywhere.
 Global rank 0 times the module's blocks on fit's first batch, at the largest and the smallest micro-batch the search
 considers, on a throw-away copy of the module with every random generator restored (the probe of ``balance="time"``:
 the module, its metrics and the data order are untouched). The first two ranks of the first pipeline time a message
-between them (latency and bandwidth). Rank 0 searches, prints the fastest candidates and the choice, and broadcasts the
+between them (latency and bandwidth). Rank 0 searches, logs the fastest candidates and the choice, and broadcasts the
 choice; every rank then runs it. Where nothing can be measured (``validate``/``test``/``predict``, no training data, a
 module on the meta device) the choice is the default configuration (1F1B, twice as many micro-batches as ranks, an
 even split), with a log line.
@@ -13,7 +13,6 @@ even split), with a log line.
 from __future__ import annotations
 
 import dataclasses
-import logging
 import statistics
 import time
 from collections.abc import Callable
@@ -25,6 +24,7 @@ import torch
 import torch.distributed as dist
 from lightning.pytorch.plugins.precision import Precision
 
+from lightning_pp._logging import get_logger
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.model.blocks import find_blocks
 from lightning_pp.options import PipelineOptions
@@ -37,7 +37,7 @@ from lightning_pp.tuning.search import MAX_MICROBATCHES, Candidate, MeasuredCost
 
 __all__ = ["choose_configuration"]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 
 # the runtime's own time per action (its bookkeeping, autograd's and the transfers' calls) where it is not measured

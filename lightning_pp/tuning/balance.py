@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import contextlib
 import copy
-import logging
 import random
 import statistics
 import time
@@ -34,6 +33,7 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from torch import Tensor, nn
 
 from lightning_pp import _compat
+from lightning_pp._logging import get_logger
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.model.assembly import is_assembled
 from lightning_pp.model.blocks import find_blocks
@@ -46,7 +46,7 @@ from lightning_pp.schedule.partition import min_max_partition, stage_costs, unif
 __all__ = ["BlockCosts", "balance_for", "measure_block_costs", "parameter_balance", "preserved_random_state",
            "probe_first_batch", "resolve_balance", "why_not_time"]
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 _T = TypeVar("_T")
 _REPEATS = 3  # timed runs of the whole step and of each block alone (after one warm-up run); medians are kept
@@ -591,7 +591,7 @@ def _raise_probe_error(name: str, error: Exception | None, world_size: int,
 
 
 def _report_time_split(measured: BlockCosts, values: list[float], split: list[int]) -> None:
-    """Log what global rank 0 measured and print the split it gives."""
+    """Log what global rank 0 measured and the split it gives."""
     per_stage = stage_costs(values[1:-1], split, values[0], values[-1])
     log.info(f"balance='time': per block forward ms [{_ms(measured.forward)}], backward ms "
              f"[{_ms(measured.backward)}]; before the blocks {_ms(measured.before)} ms, after them "
