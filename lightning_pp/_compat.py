@@ -268,6 +268,7 @@ __all__ = [
     "fsdp_param_groups",
     "hf_init_weights",
     "init_fsdp_root",
+    "is_persistent_buffer",
     "mark_metric_updated",
     "mark_sigterm_received",
     "metric_forward_value",
@@ -279,7 +280,9 @@ __all__ = [
     "replace_summary",
     "set_averaging_model",
     "set_module_device_mesh",
+    "set_submodule",
     "share_forward_hooks",
+    "submodule",
     "summary_depth",
     "sync_metric_states",
     "tensor_version",
@@ -418,3 +421,19 @@ def own_initializer(module: torch.nn.Module) -> Callable[[], None] | None:
 def hf_init_weights(hf_model: Any, module: torch.nn.Module) -> None:
     """A Hugging Face model's initialization of one of its submodules (its ``_init_weights``)."""
     hf_model._init_weights(module)
+
+
+def is_persistent_buffer(module: torch.nn.Module, name: str) -> bool:
+    """Whether ``module``'s own buffer ``name`` goes into its state dict (registered with ``persistent=True``)."""
+    return name not in module._non_persistent_buffers_set
+
+
+def submodule(module: torch.nn.Module, name: str) -> torch.nn.Module:
+    """``module``'s direct submodule ``name`` read from its registry, past any ``__getattr__`` of the module's class."""
+    return module._modules[name]  # type: ignore[return-value]
+
+
+def set_submodule(module: torch.nn.Module, name: str, child: torch.nn.Module) -> None:
+    """Replace ``module``'s direct submodule ``name`` in its registry, past any ``__getattr__`` of the module's class
+    (``add_module`` reads the attribute first)."""
+    module._modules[name] = child

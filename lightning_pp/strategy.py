@@ -15,7 +15,6 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
-from lightning.fabric.utilities.types import _PATH
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.trainer.states import TrainerFn
@@ -65,6 +64,8 @@ from lightning_pp.tuning.autotune import choose_configuration
 from lightning_pp.tuning.balance import balance_for
 
 __all__ = ["PipelineParallelStrategy"]
+
+StrPath = str | os.PathLike[str]
 
 
 class PipelineParallelStrategy(ReplicaCollectives, PipelineDataHooks, LoopHooks):
@@ -394,7 +395,7 @@ class PipelineParallelStrategy(ReplicaCollectives, PipelineDataHooks, LoopHooks)
             super().barrier(name)
 
     @override
-    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: StrPath, storage_options: Any = None) -> None:
         if self._failed(f"Saving {filepath}"):
             return
         if self.resolved_options.schedule == "pipedream_2bw" and "optimizer_states" in checkpoint:  # not weights only
@@ -407,7 +408,7 @@ class PipelineParallelStrategy(ReplicaCollectives, PipelineDataHooks, LoopHooks)
             self._checkpoints.save_sharded(checkpoint, str(filepath))
 
     @override
-    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+    def load_checkpoint(self, checkpoint_path: StrPath, weights_only: bool | None = None) -> dict[str, Any]:
         return self._checkpoints.load(str(checkpoint_path), weights_only, self.optimizers, super().load_checkpoint)
 
     @override

@@ -141,7 +141,7 @@ class StageAveragedModel(AveragedModel):
         # plain attributes, not submodules or parameters
         self.__dict__.update(live=live, gather=gather, device=device, held=self._held(live))
         if previous is not None:
-            self._keep(previous._modules["module"])
+            self._keep(_compat.submodule(previous, "module"))  # the copies as they are (no _follow)
             self.n_averaged.copy_(previous.n_averaged)
 
     @staticmethod
@@ -158,8 +158,8 @@ class StageAveragedModel(AveragedModel):
         live = self.__dict__["live"]
         held = self._held(live)
         if held != self.__dict__["held"]:
-            kept = self._modules["module"]
-            self._modules["module"] = _mirror(live).to(self.__dict__["device"])
+            kept = _compat.submodule(self, "module")
+            _compat.set_submodule(self, "module", _mirror(live).to(self.__dict__["device"]))
             self._keep(kept)
             self.__dict__["held"] = held
 
@@ -173,7 +173,7 @@ class StageAveragedModel(AveragedModel):
             return
         values = kept.state_dict(keep_vars=True)
         with torch.no_grad():
-            for name, value in self._modules["module"].state_dict(keep_vars=True).items():  # type: ignore[union-attr]
+            for name, value in _compat.submodule(self, "module").state_dict(keep_vars=True).items():
                 if name in values and values[name].shape == value.shape:
                     value.copy_(values[name])
 
@@ -240,7 +240,7 @@ def _mirror(module: nn.Module) -> nn.Module:
         nodes[parent].register_parameter(leaf, nn.Parameter(param.detach().clone(), param.requires_grad))
     for name, buffer in module.named_buffers():
         parent, _, leaf = name.rpartition(".")
-        persistent = leaf not in owners[parent]._non_persistent_buffers_set
+        persistent = _compat.is_persistent_buffer(owners[parent], leaf)
         nodes[parent].register_buffer(leaf, buffer.detach().clone(), persistent=persistent)
     return root
 
