@@ -12,7 +12,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-__all__ = ["batch_clock", "mse_module", "run_workers"]
+__all__ = ["answer_as_worker", "batch_clock", "mse_module", "run_workers"]
 
 
 def mse_module(blocks: Any) -> Any:
@@ -81,3 +81,12 @@ def run_workers(script: str, processes: int, spec: dict[str, Any], timeout: floa
         if any(codes):
             raise SystemExit(f"{Path(script).name} {spec} failed: exit codes {codes}")
         return json.loads(out.read_text())
+
+
+def answer_as_worker(spec_json: str, worker: Any) -> None:
+    """The worker side of :func:`run_workers`: run ``worker`` on the spec; global rank 0 writes its JSON result to
+    ``spec["out"]``."""
+    spec = json.loads(spec_json)
+    result = worker(spec)
+    if int(os.environ["RANK"]) == 0:
+        Path(spec["out"]).write_text(json.dumps(result))

@@ -16,7 +16,6 @@ to the next). Printed as markdown and written to ``benchmarks/results/autotune.m
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import sys
 import time
@@ -24,7 +23,7 @@ from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from _workers import batch_clock, mse_module, run_workers
+from _workers import answer_as_worker, batch_clock, mse_module, run_workers
 
 RESULTS = Path(__file__).resolve().parent / "results" / "autotune.md"
 BLOCKS, SLOWDOWN, BATCH = 8, 8, 32
@@ -128,10 +127,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        spec = json.loads(args.worker)
-        result = worker(spec)
-        if int(__import__("os").environ["RANK"]) == 0:
-            Path(spec["out"]).write_text(json.dumps(result))
+        answer_as_worker(args.worker, worker)
         return
     rows = []
     specs = [(label, {"strategy": strategy}) for label, strategy in CONFIGS]

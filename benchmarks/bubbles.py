@@ -25,14 +25,13 @@ measured 0.110 against 0.059 on a busy CI machine). Printed as markdown and writ
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import statistics
 import sys
 from pathlib import Path
 from typing import Any
 
-from _workers import mse_module, run_workers
+from _workers import answer_as_worker, mse_module, run_workers
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -98,10 +97,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        spec = json.loads(args.worker)
-        result = worker(spec)
-        if int(os.environ["RANK"]) == 0:
-            Path(spec["out"]).write_text(json.dumps(result))
+        answer_as_worker(args.worker, worker)
         return
     lines = [f"{args.ranks} CPU processes, {args.microbatches} micro-batches, {2 * args.ranks} blocks whose F, I and W "
              f"each sleep {args.sleep_ms:g} ms; medians of {args.steps} steps after {args.warmup}.", "",

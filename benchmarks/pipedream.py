@@ -30,8 +30,6 @@ Printed as markdown and written to ``benchmarks/results/pipedream.md``.
 from __future__ import annotations
 
 import argparse
-import json
-import os
 import statistics
 import subprocess
 import sys
@@ -39,7 +37,7 @@ import tempfile
 from pathlib import Path
 from typing import Any
 
-from _workers import batch_clock, mse_module, run_workers
+from _workers import answer_as_worker, batch_clock, mse_module, run_workers
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -209,10 +207,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        spec = json.loads(args.worker)
-        result = worker(spec)
-        if int(os.environ["RANK"]) == 0:
-            Path(spec["out"]).write_text(json.dumps(result))
+        answer_as_worker(args.worker, worker)
         return
     timed = {}
     for schedule in SCHEDULES:
