@@ -1,16 +1,24 @@
-"""``schedule="auto"`` against configurations chosen by hand, on a model whose first of 8 blocks is 8x slower: 2
-processes on CPU (gloo), a batch of 32.
+"""``schedule="auto"`` against configurations chosen by hand, on four model shapes it was not built on: 2 processes on
+CPU (gloo), a batch of 32, 8 blocks.
 
-Run ``python benchmarks/autotune.py`` (``--steps``, ``--warmup``, ``--us-per-row``; about 2 minutes). Each block's
-forward, input gradient and weight gradient each sleep ``--us-per-row`` microseconds per row of its micro-batch (the
-first block 8 times as long), so the costs scale with the micro-batch as a GPU's do and the numbers are the
-configuration's, not the machine's load. Each configuration trains ``L.Trainer(devices=2,
-strategy=PipelineParallelStrategy(...))`` in 2 fresh processes (one CPU thread each); the step is the window from one
-``on_train_batch_start`` to the next (the whole step: schedule, result exchange, optimizer, Lightning's loop), median
-over the steps after ``--warmup``, min-max beside it. For ``"auto"`` the table also gives what it chose and the step it
-predicted. Last, torch.distributed.pipelining's ``Schedule1F1B`` in a plain loop (next batch, ``schedule.step``, the
-optimizer) on the same blocks, split evenly and as the hand-found [1, 7], timed by the same window (its loop's start
-to the next). Printed as markdown and written to ``benchmarks/results/autotune.md``.
+Run ``python benchmarks/autotune.py`` (``--models``, ``--steps``, ``--us-per-row``; about 15 minutes on 2 cores).
+The models (every cost grows with the rows of a micro-batch, as a GPU's does, and sleeps, so that the numbers are the
+configuration's, not the machine's load):
+
+- ``uniform``: 8 equal blocks whose forward, input gradient and weight gradient each sleep ``--us-per-row`` per row;
+- ``slow first``: 8 blocks of a Linear and a custom autograd function (forward 1x, backward 2x ``--us-per-row`` per
+  row, in one backward: nothing to split), the first 8 times as slow;
+- ``heavy head``: the uniform blocks, and after them a head as costly as 4 of them (in ``training_step``);
+- ``tight max_memory``: 8 blocks of width 1024 (4 KiB saved per row), ``schedule="auto"`` given a ``max_memory`` that
+  rules out holding more than about a batch's activations at once.
+
+Per model, in one run: the hand default (1F1B, 4 micro-batches, an even split), a grid of hand configurations
+(schedules, micro-batch counts, ``balance="time"``; for the tight model the 1F1B-like ones, which hold the fewest
+micro-batches), and ``schedule="auto"``: its choice, its prediction and the measured step. Each configuration trains
+``L.Trainer(devices=2, strategy=PipelineParallelStrategy(...))`` in 2 fresh processes (one CPU thread each); the step
+is the window from one ``on_train_batch_start`` to the next (the whole step: schedule, result exchange, optimizer,
+Lightning's loop), median over the steps after the closed loop's decision (step 5). Printed as markdown and written to
+``benchmarks/results/autotune.md``.
 """
 
 from __future__ import annotations
@@ -18,79 +26,97 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
-from itertools import pairwise
 from pathlib import Path
 from typing import Any
 
-from _workers import answer_as_worker, batch_clock, mse_module, run_workers
+from _workers import answer_as_worker, batch_clock, run_workers
 
 RESULTS = Path(__file__).resolve().parent / "results" / "autotune.md"
-BLOCKS, SLOWDOWN, BATCH = 8, 8, 32
-# (label, strategy arguments): the hand default first, then the best configurations found by hand, then auto
-CONFIGS: list[tuple[str, dict[str, Any]]] = [
-    ("hand default", {"schedule": "1f1b", "microbatches": 4}),
-    ("balance='time'", {"schedule": "1f1b", "microbatches": 4, "balance": "time"}),
-    ("1f1b, 8 micro-batches, balance='time'", {"schedule": "1f1b", "microbatches": 8, "balance": "time"}),
-    ("zb_h1, balance='time'", {"schedule": "zb_h1", "microbatches": 4, "balance": "time"}),
-    ("zbv", {"schedule": "zbv", "microbatches": 4}),
-    ("auto", {"schedule": "auto"}),
+BLOCKS, BATCH, RANKS = 8, 32, 2
+WARMUP = 6  # steps left out: the closed loop decides at the start of step 5
+MODELS = ("uniform", "slow first", "heavy head", "tight max_memory")
+TIGHT_BYTES = 6 * 2**20  # max_memory of the tight model: its batch saves 8 MiB in the blocks
+DEFAULT = {"schedule": "1f1b", "microbatches": 4}
+GRID: list[dict[str, Any]] = [
+    {"schedule": "1f1b", "microbatches": 4, "balance": "time"},
+    {"schedule": "1f1b", "microbatches": 8, "balance": "time"},
+    {"schedule": "1f1b", "microbatches": 16, "balance": "time"},
+    {"schedule": "zb_h1", "microbatches": 8, "balance": "time"},
+    {"schedule": "gpipe", "microbatches": 8, "balance": "time"},
+    {"schedule": "interleaved_1f1b", "stages_per_rank": 2, "microbatches": 8, "balance": "time"},
+    {"schedule": "zbv", "microbatches": 8, "balance": "time"},
 ]
-# torch.distributed.pipelining in a plain loop on the same blocks: (label, schedule, micro-batches, blocks per rank)
-TORCH_CONFIGS = [("torch.distributed.pipelining, the hand default", "1f1b", 4, [4, 4]),
-                 ("torch.distributed.pipelining, split [1, 7] by hand", "1f1b", 4, [1, 7])]
+LOW_MEMORY = ("1f1b", "zb_h1")  # hold at most as many micro-batches as ranks: the grid of the tight model
 
 
-def blocks(us_per_row: float) -> Any:
-    """The model's blocks: the test suite's SplitSleepLayer (F, I and W each sleep, here per row), the first slower."""
+def build(model: str, us_per_row: float) -> Any:
+    """The LightningModule of ``model`` (see the module docstring)."""
+    import time
+
+    import lightning as L
+    import torch
     from torch import nn
 
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
-    from models import SplitSleepLayer
-
     per_row = us_per_row / 1e6
-    return nn.Sequential(*[SplitSleepLayer(per_row * (SLOWDOWN if i == 0 else 1), per_row=True) for i in range(BLOCKS)])
+
+    class Rows(torch.autograd.Function):
+        """Identity; the forward sleeps ``forward`` seconds and the backward ``backward``."""
+
+        @staticmethod
+        def forward(ctx: Any, x: torch.Tensor, forward: float, backward: float) -> torch.Tensor:
+            ctx.backward = backward
+            time.sleep(forward)
+            return x.clone()
+
+        @staticmethod
+        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
+            time.sleep(ctx.backward)
+            return grad, None, None
+
+    class Split(nn.Module):
+        """F, I and W each sleep ``seconds`` per row: the weight's path joins the input's at the sum."""
+
+        def __init__(self, seconds: float, width: int = 16) -> None:
+            super().__init__()
+            self.linear = nn.Linear(width, width)
+            self.scale = nn.Parameter(torch.zeros(()))
+            self.seconds = seconds
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            s = self.seconds * x.shape[0]
+            return Rows.apply(self.linear(x), s, s) + Rows.apply(self.scale, 0.0, s)
+
+    class LinearThenFunction(nn.Module):
+        def __init__(self, seconds: float) -> None:
+            super().__init__()
+            self.linear, self.seconds = nn.Linear(16, 16), seconds
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            s = self.seconds * x.shape[0]
+            return Rows.apply(self.linear(x), s, 2 * s)
+
+    class Model(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            if model == "slow first":
+                self.blocks = nn.Sequential(*[LinearThenFunction(per_row * (8 if i == 0 else 1))
+                                              for i in range(BLOCKS)])
+            else:
+                self.blocks = nn.Sequential(*[Split(per_row, width(model)) for _ in range(BLOCKS)])
+            self.head = Split(4 * per_row) if model == "heavy head" else nn.Identity()
+
+        def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
+            x, y = batch
+            return nn.functional.mse_loss(self.head(self.blocks(x)), y)
+
+        def configure_optimizers(self) -> torch.optim.Optimizer:
+            return torch.optim.SGD(self.parameters(), lr=0.01)
+
+    return Model()
 
 
-def batches(steps: int) -> Any:
-    import torch
-
-    generator = torch.Generator().manual_seed(0)
-    return torch.randn(BATCH * steps, 4, generator=generator), torch.randn(BATCH * steps, 4, generator=generator)
-
-
-def torch_worker(spec: dict[str, Any]) -> dict[str, Any]:
-    """torch.distributed.pipelining's Schedule1F1B in a plain loop (next batch, step, optimizer), timed the same way."""
-    import torch
-    import torch.distributed as dist
-    import torch.nn.functional as F
-    from torch.distributed.pipelining import PipelineStage, Schedule1F1B
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank = dist.get_rank()
-    first, count = sum(spec["split"][:rank]), spec["split"][rank]
-    part = blocks(spec["us_per_row"])[first:first + count]
-    stage = PipelineStage(part, stage_index=rank, num_stages=2, device=torch.device("cpu"))
-    schedule = Schedule1F1B(stage, n_microbatches=spec["microbatches"], loss_fn=F.mse_loss)
-    optimizer = torch.optim.SGD(part.parameters(), lr=0.01)
-    steps = spec["warmup"] + spec["steps"] + 1
-    xs, ys = batches(steps)
-    marks = []
-    for step in range(steps):
-        marks.append(time.perf_counter())
-        x, y = xs[step * BATCH:(step + 1) * BATCH], ys[step * BATCH:(step + 1) * BATCH]
-        if rank == 0:
-            schedule.step(x)
-        else:
-            schedule.step(target=y)
-        optimizer.step()
-        optimizer.zero_grad()
-    dist.barrier()
-    dist.destroy_process_group()
-    windows = [b - a for a, b in pairwise(marks)][spec["warmup"]:]
-    return {"steps_s": windows, "chosen": None, "predicted_s": None,
-            "config": f"{spec['schedule']} m={spec['microbatches']} split={spec['split']}"}
+def width(model: str) -> int:
+    return 1024 if model == "tight max_memory" else 16
 
 
 def worker(spec: dict[str, Any]) -> dict[str, Any]:
@@ -100,62 +126,91 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
     from lightning_pp import PipelineParallelStrategy
 
-    if spec.get("runner") == "torch":
-        return torch_worker(spec)
     torch.set_num_threads(1)
-    steps = spec["warmup"] + spec["steps"] + 1  # the extra step's start ends the last timed one
-    data = TensorDataset(*batches(steps))
+    steps = WARMUP + spec["steps"] + 1  # the extra step's start ends the last timed one
+    generator = torch.Generator().manual_seed(0)
+    features = width(spec["model"])
+    data = TensorDataset(torch.randn(BATCH * steps, features, generator=generator),
+                         torch.randn(BATCH * steps, features, generator=generator))
     clock = batch_clock()
     strategy = PipelineParallelStrategy(**spec["strategy"])
-    trainer = L.Trainer(accelerator="cpu", devices=2, strategy=strategy, max_steps=steps, logger=False,
+    trainer = L.Trainer(accelerator="cpu", devices=RANKS, strategy=strategy, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[clock])
-    trainer.fit(mse_module(blocks(spec["us_per_row"])), DataLoader(data, batch_size=BATCH))
-    windows = [b - a for a, b in zip(clock.marks, clock.marks[1:], strict=False)][spec["warmup"]:]
-    choice = strategy.telemetry.auto_choice
-    options = strategy.resolved_options
-    return {"steps_s": windows, "chosen": choice.describe() if choice is not None else None,
-            "predicted_s": choice.step_s if choice is not None else None,
-            "config": f"{options.schedule} m={options.microbatches} balance={options.balance}"}
+    trainer.fit(build(spec["model"], spec["us_per_row"]), DataLoader(data, batch_size=BATCH))
+    windows = [b - a for a, b in zip(clock.marks, clock.marks[1:], strict=False)][WARMUP:]
+    telemetry, options = strategy.telemetry, strategy.resolved_options
+    return {"steps_s": windows, "config": f"{options.schedule} m={options.microbatches}"
+            + (f" v={options.stages_per_rank}" if (options.stages_per_rank or 1) > 1 else "")
+            + f" split={options.balance}",
+            "first": telemetry.auto_first_choice.describe() if telemetry.auto_first_choice else None,
+            "first_s": telemetry.auto_first_choice.step_s if telemetry.auto_first_choice else None,
+            "chosen": telemetry.auto_choice.describe() if telemetry.auto_choice else None,
+            "predicted_s": telemetry.auto_choice.step_s if telemetry.auto_choice else None,
+            "loop_measured_s": telemetry.auto_measured_step_s}
+
+
+def label(strategy: dict[str, Any]) -> str:
+    extra = f" v={strategy['stages_per_rank']}" if "stages_per_rank" in strategy else ""
+    balance = " balance='time'" if strategy.get("balance") == "time" else ""
+    return f"{strategy['schedule']}{extra} m={strategy['microbatches']}{balance}"
+
+
+def run(model: str, strategy: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
+    spec = {"model": model, "strategy": strategy, "steps": args.steps, "us_per_row": args.us_per_row}
+    result = run_workers(__file__, RANKS, spec, timeout=900)
+    result["median_s"] = statistics.median(result["steps_s"])
+    print(f"{model}: {label(strategy) if strategy['schedule'] != 'auto' else 'auto'} ran {result['config']}, "
+          f"median step {1e3 * result['median_s']:.1f} ms", flush=True)
+    return result
+
+
+def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
+    tight = model == "tight max_memory"
+    grid = [c for c in GRID if not tight or c["schedule"] in LOW_MEMORY]
+    default = run(model, DEFAULT, args)
+    hand = [(label(c), run(model, c, args)) for c in grid]
+    auto = run(model, {"schedule": "auto", **({"max_memory": TIGHT_BYTES} if tight else {})}, args)
+    best_label, best = min([*hand, ("hand default", default)], key=lambda item: item[1]["median_s"])
+    return {"default": default, "best_label": best_label, "best": best, "auto": auto}
+
+
+def table(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
+    lines = [f"{RANKS} processes on CPU (gloo), batch {BATCH}, {BLOCKS} blocks, {args.us_per_row:g} us per row; whole "
+             f"step (batch start to batch start), median of {args.steps} after {WARMUP}. Prediction: auto's before "
+             f"the first step; after the closed loop where it re-chose.", "",
+             "| model | hand default ms | grid's best (ms) | auto's choice | predicted ms | measured ms | "
+             "prediction off | auto / default | auto / grid's best | closed loop |",
+             "|---|---|---|---|---|---|---|---|---|---|"]
+    for model, row in rows.items():
+        auto, default, best = row["auto"], row["default"]["median_s"], row["best"]["median_s"]
+        measured, predicted = auto["median_s"], auto["predicted_s"]
+        switched = auto["first"] != auto["chosen"]
+        loop = (f"measured {1e3 * auto['loop_measured_s']:.1f} ms at step 5"
+                + (f"; switched from {auto['first']}" if switched else "; kept")
+                if auto["loop_measured_s"] is not None else "did not run")
+        off = f"{100 * (predicted / measured - 1):+.0f} %" if predicted else ""
+        lines.append(f"| {model} | {1e3 * default:.1f} | {row['best_label']} ({1e3 * best:.1f}) | "
+                     f"{auto['chosen'] or auto['config']} | {1e3 * predicted:.1f} | {1e3 * measured:.1f} | {off} | "
+                     f"{measured / default:.2f} | {measured / best:.2f} | {loop} |")
+    return "\n".join(lines) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=(__doc__ or "").split("\n\n")[0])
-    parser.add_argument("--steps", type=int, default=8, help="timed steps per configuration")
-    parser.add_argument("--warmup", type=int, default=2, help="steps left out before the timed ones")
+    parser.add_argument("--models", nargs="+", default=list(MODELS), choices=MODELS)
+    parser.add_argument("--steps", type=int, default=6, help="timed steps per configuration")
     parser.add_argument("--us-per-row", type=float, default=150.0, help="sleep per row of a block's F, I and W")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
         answer_as_worker(args.worker, worker)
         return
-    rows = []
-    specs = [(label, {"strategy": strategy}) for label, strategy in CONFIGS]
-    specs += [(label, {"runner": "torch", "schedule": name, "microbatches": m, "split": split})
-              for label, name, m, split in TORCH_CONFIGS]
-    for label, config in specs:
-        spec = {**config, "steps": args.steps, "warmup": args.warmup, "us_per_row": args.us_per_row}
-        result = run_workers(__file__, 2, spec, timeout=900)
-        rows.append((label, result))
-        print(f"{label}: {result['config']}, median step {1e3 * statistics.median(result['steps_s']):.1f} ms",
-              flush=True)
-    default = statistics.median(rows[0][1]["steps_s"])
-    lines = [f"2 processes on CPU (gloo), batch {BATCH}; {BLOCKS} blocks whose forward, input gradient and weight "
-             f"gradient each sleep {args.us_per_row:g} us per row, the first {SLOWDOWN}x as long; whole step (batch "
-             f"start to batch start), median of {args.steps} after {args.warmup}.", "",
-             "| configuration | runs | median step ms (min-max) | ratio to the hand default | predicted ms |",
-             "|---|---|---|---|---|"]
-    for label, result in rows:
-        times = result["steps_s"]
-        median = statistics.median(times)
-        predicted = f"{1e3 * result['predicted_s']:.1f}" if result["predicted_s"] is not None else ""
-        runs = result["chosen"] or result["config"]
-        lines.append(f"| {label} | {runs} | {1e3 * median:.1f} ({1e3 * min(times):.1f}-{1e3 * max(times):.1f}) | "
-                     f"{median / default:.2f} | {predicted} |")
-    table = "\n".join(lines) + "\n"
-    print(table)
+    rows = {model: measure(model, args) for model in args.models}
+    text = table(rows, args)
+    print(text)
     RESULTS.parent.mkdir(exist_ok=True)
-    RESULTS.write_text(table)
+    RESULTS.write_text(text)
 
 
 if __name__ == "__main__":

@@ -38,6 +38,9 @@ class RunContext:
     """Wraps a collective so that a failure or a peer's is raised naming it."""
     object_group: Callable[[], Any]
     """The group for object collectives now (None: the default group)."""
+    auto: Any = None
+    """``schedule="auto"``'s choice made for this run, with its closed loop (a
+    :class:`~lightning_pp.tuning.closed_loop.AutoChoice`; None: the options were concrete)."""
 
     @property
     def microbatches(self) -> int:

@@ -62,6 +62,7 @@ from lightning_pp.runtime.allocator import keep_freed_cpu_memory
 from lightning_pp.schedule import StepSchedules
 from lightning_pp.tuning.autotune import choose_configuration
 from lightning_pp.tuning.balance import balance_for
+from lightning_pp.tuning.closed_loop import AutoChoice
 
 __all__ = ["PipelineParallelStrategy"]
 
@@ -120,7 +121,7 @@ class PipelineParallelStrategy(ReplicaCollectives, PipelineDataHooks, LoopHooks)
                          cluster_environment=cluster_environment, checkpoint_io=checkpoint_io,
                          precision_plugin=precision_plugin)
         self.options = PipelineOptions(**{f.name: given[f.name] for f in dataclasses.fields(PipelineOptions) if f.init})
-        self._chosen: PipelineOptions | None = None  # schedule="auto"'s concrete options, once chosen
+        self._auto: AutoChoice | None = None  # schedule="auto"'s choice (its concrete options), once made
         self._process_group_backend = process_group_backend  # chosen from the device in setup_environment if None
         self._num_nodes = 1
         self._session: StageSession | None = None  # this rank's stage during a Trainer run, from setup to teardown
@@ -190,8 +191,8 @@ class PipelineParallelStrategy(ReplicaCollectives, PipelineDataHooks, LoopHooks)
     def resolved_options(self) -> PipelineOptions:
         """The options runs use: :attr:`options` (the user's, as checked on construction: schedule names in our
         spelling, the schedule's default ``stages_per_rank``), with ``schedule="auto"`` made concrete once the first
-        run chose (later runs keep the choice)."""
-        return self._chosen or self.options
+        run chose (later runs keep the choice, and its closed loop's switch)."""
+        return self._auto.options if self._auto is not None else self.options
 
     @property
     def microbatches(self) -> int:
@@ -243,8 +244,8 @@ class PipelineParallelStrategy(ReplicaCollectives, PipelineDataHooks, LoopHooks)
         run = RunContext(self.resolved_options, self.layout, self.global_rank, self.root_device, trainer,
                          self.precision_plugin, fitting, self._new_group, self._collective, lambda: self.object_group)
         if run.options.schedule == "auto":  # made concrete once, at the first run's start (fit's, to measure)
-            self._chosen, self.telemetry.auto_choice = choose_configuration(run, module)
-            run = dataclasses.replace(run, options=self._chosen)
+            self._auto = choose_configuration(run, module)
+            run = dataclasses.replace(run, options=self._auto.options, auto=self._auto)
         options = run.options
         self._schedules = StepSchedules(str(options.schedule), self.num_stages, run.microbatches,  # this world's
                                         options.stages_per_rank or 1, options.schedule_file is not None)

@@ -42,6 +42,7 @@ from lightning_pp.pipedream.stream import stream_cuts
 from lightning_pp.run import RunContext
 from lightning_pp.runtime.p2p import StageP2P, connect_stages
 from lightning_pp.schedule.actions import Schedule
+from lightning_pp.schedule.build import StepSchedules
 
 __all__ = ["StageSession", "release"]
 
@@ -86,7 +87,7 @@ class StageSession:
     """This rank's stage during one Trainer run (``run``), from its assembly to its teardown."""
 
     def __init__(self, run: RunContext, module: pl.LightningModule, assembly: StageAssembly,
-                 schedules: Callable[[int, bool], Schedule], telemetry: PipelineTelemetry) -> None:
+                 schedules: StepSchedules, telemetry: PipelineTelemetry) -> None:
         self.module, self.assembly, self.schedules, self.telemetry = module, assembly, schedules, telemetry
         layout, rank, device, options, fitting = run.layout, run.rank, run.device, run.options, run.fitting
         self.layout, self.rank, self.device, self.stage = layout, rank, device, run.stage
@@ -133,6 +134,10 @@ class StageSession:
         self._example_input = set_aside_example_input(module, rank) if fitting and pipelined else None
         telemetry.device, telemetry.stage, telemetry.lane = device, self.stage, layout.lane_of(rank)
         telemetry.object_group, telemetry.view = object_group(), partition.view
+        # schedule="auto" chose for this run: its closed loop watches the first training steps
+        self.auto = run.auto if fitting and pipelined and run.auto is not None else None
+        if run.auto is not None:
+            telemetry.auto_choice = telemetry.auto_first_choice = run.auto.chosen
 
     def _connect_eager(self, options: PipelineOptions, stage_to_rank: Sequence[int], p2p: StageP2P | None) -> None:
         """Passes through the blocks outside the pipelined micro-batches (see :mod:`lightning_pp.model.eager`)."""
@@ -175,6 +180,14 @@ class StageSession:
                  scaler: torch.amp.GradScaler | None) -> Any:
         """The user's ``step_name`` run pipelined; what it returns on one device."""
         training = step_name == "training_step"
+        timing_sink = self.telemetry.timing_sink
+        if training and self.auto is not None:
+            timing_sink, switched = self.auto.before_training_step(timing_sink, collective)
+            self.telemetry.auto_choice, self.telemetry.auto_measured_step_s = self.auto.chosen, self.auto.measured_s
+            if switched is not None:  # every rank, before this same step
+                assert switched.microbatches is not None
+                self.schedules.switch(str(switched.schedule), switched.microbatches)
+                self.microbatches = self.driver.microbatches = switched.microbatches
         placing = self.assembly.placing
         if training and placing is not None and placing.wants_observation():
             placing.observe()
@@ -182,7 +195,7 @@ class StageSession:
             result = self.driver.run(
                 step_name, args, kwargs, collective=collective,
                 accumulation=self.module.trainer.accumulate_grad_batches if training else 1,
-                scaler=scaler if training else None, timing_sink=self.telemetry.timing_sink)
+                scaler=scaler if training else None, timing_sink=timing_sink)
         if training:
             self.telemetry.last_schedule = self.driver.last_schedule
         return result

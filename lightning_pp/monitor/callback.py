@@ -316,8 +316,10 @@ class PipelineMonitor(pl.Callback):
                 sync_ms[stage] = max(sync_ms.get(stage, 0.0), rank_sync_ms)
         predicted = simulate(schedule, _measured_costs(timeline))
         metrics = stage_metrics(timeline, predicted, samples, sync_ms, memory)
-        if telemetry.auto_choice is not None:  # what schedule='auto' predicted before the first step, for comparison
+        if telemetry.auto_choice is not None:  # what schedule='auto' predicts (its closed loop's, once that ran)
             metrics["pipeline/auto_predicted_step_ms"] = 1e3 * telemetry.auto_choice.step_s
+        if telemetry.auto_measured_step_s is not None:  # the whole step its closed loop measured
+            metrics["pipeline/auto_measured_step_ms"] = 1e3 * telemetry.auto_measured_step_s
         self.history.append({"step": float(step), **metrics})
         if trainer.loggers:
             for logger in trainer.loggers:

@@ -75,6 +75,12 @@ class StepSchedules:
         self.stages_per_rank, self.fixed_count = stages_per_rank, fixed_count
         self._built: dict[tuple[int, bool], Schedule] = {}
 
+    def switch(self, name: str, microbatches: int) -> None:
+        """Build ``name``'s schedules from now on, ``microbatches`` for a full batch (``schedule="auto"``'s closed
+        loop: a schedule that keeps each stage on its rank)."""
+        self.name, self.microbatches = name, microbatches
+        self._built.clear()
+
     def __call__(self, count: int, forward_only: bool) -> Schedule:
         key = (count, forward_only)
         if key not in self._built:

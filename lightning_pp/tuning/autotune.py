@@ -27,12 +27,14 @@ from lightning.pytorch.plugins.precision import Precision
 from lightning_pp._logging import get_logger
 from lightning_pp.errors import PipelineConfigError
 from lightning_pp.model.blocks import find_blocks
+from lightning_pp.model.callbacks import batch_statistics_modules
 from lightning_pp.options import PipelineOptions
 from lightning_pp.parallel.device import synchronize_device
 from lightning_pp.parallel.topology import PipelineLayout
 from lightning_pp.run import RunContext
 from lightning_pp.runtime.microbatch import batch_size, split_batch
 from lightning_pp.tuning.balance import measure_block_costs, probe_first_batch, why_not_time
+from lightning_pp.tuning.closed_loop import AutoChoice, AutoSearch
 from lightning_pp.tuning.search import MAX_MICROBATCHES, Candidate, MeasuredCosts, search
 
 __all__ = ["choose_configuration"]
@@ -45,19 +47,23 @@ _FRAMEWORK_S = {"cpu": 100e-6, "cuda": 30e-6}
 _SHOWN = 5  # candidates printed
 
 
-def choose_configuration(run: RunContext, module: pl.LightningModule) -> tuple[PipelineOptions, Candidate | None]:
-    """The run's options with ``schedule="auto"`` made concrete (the same on every rank), and the chosen candidate
-    (None: nothing could be measured: the default configuration, which a later run of the same module keeps, as it
-    keeps the split)."""
+def choose_configuration(run: RunContext, module: pl.LightningModule) -> AutoChoice:
+    """The run's options with ``schedule="auto"`` made concrete (the same on every rank), the chosen candidate (None:
+    nothing could be measured: the default configuration, which a later run of the same module keeps, as it keeps the
+    split) and its closed loop (:mod:`lightning_pp.tuning.closed_loop`)."""
     options, trainer, layout, rank, device = run.options, run.trainer, run.layout, run.rank, run.device
     reason = why_not_time(trainer, module)
     outcome: list[tuple[str, Any]] = [("default", reason)]  # ("chosen", Candidate), ("default", why), ("failed", why)
     link = _measure_link(layout, rank, device, run.collective) if reason is None else (0.0, 0.0)
     error: Exception | None = None
+    searched: AutoSearch | None = None
     if rank == 0 and reason is None:
         try:
             chosen_here = _search_on_rank_zero(options, module, trainer, layout, device, run.precision, link)
-            outcome[0] = ("chosen", chosen_here) if isinstance(chosen_here, Candidate) else ("default", chosen_here)
+            if isinstance(chosen_here, str):
+                outcome[0] = ("default", chosen_here)
+            else:
+                outcome[0], searched = ("chosen", chosen_here[0]), chosen_here[1]
         except Exception as caught:  # every rank raises it, below
             error = caught
             outcome[0] = ("failed", f"{type(caught).__name__}: {caught}")
@@ -73,7 +79,7 @@ def choose_configuration(run: RunContext, module: pl.LightningModule) -> tuple[P
         schedule = "interleaved_1f1b" if several else "1f1b"  # what the user fixed still runs
         if rank == 0:
             log.info(f"schedule='auto' runs the default configuration ({schedule}): {chosen}")
-        return dataclasses.replace(options, schedule=schedule, max_memory=None), None
+        return AutoChoice(dataclasses.replace(options, schedule=schedule, max_memory=None))
     for logger in trainer.loggers:  # loggers write on global rank 0 only
         logger.log_hyperparams({"pipeline_auto/schedule": chosen.schedule, "pipeline_auto/microbatches":
                                 chosen.microbatches, "pipeline_auto/stages_per_rank": chosen.stages_per_rank,
@@ -84,12 +90,14 @@ def choose_configuration(run: RunContext, module: pl.LightningModule) -> tuple[P
         options, schedule=chosen.schedule, microbatches=chosen.microbatches, stages_per_rank=chosen.stages_per_rank,
         balance=list(chosen.balance), activation_checkpointing=options.activation_checkpointing or chosen.recompute,
         max_memory=None)
-    return concrete, chosen
+    # a batch's batch statistics depend on the micro-batch count: the closed loop keeps it then
+    return AutoChoice(concrete, chosen, searched, rank, options.microbatches is not None
+                      or bool(batch_statistics_modules(module)), run.object_group)
 
 
 def _search_on_rank_zero(options: PipelineOptions, module: pl.LightningModule, trainer: pl.Trainer,
                          layout: PipelineLayout, device: torch.device, precision: Precision,
-                         link: tuple[float, float]) -> Candidate | str:
+                         link: tuple[float, float]) -> tuple[Candidate, AutoSearch] | str:
     name, _ = find_blocks(module, options.blocks)
     ranks = layout.num_stages
 
@@ -122,16 +130,19 @@ def _search_on_rank_zero(options: PipelineOptions, module: pl.LightningModule, t
     if measured is None:
         return "the train dataloader gave no batch that can be read without taking it from training"
     costs, size = measured
-    candidates = search(costs, ranks, size, max_memory=_budget(options.max_memory, device),
-                        microbatches=options.microbatches,
-                        stages_per_rank=options.stages_per_rank, balance=options.balance_list,
-                        recompute=False if options.recompute_every else None)  # the probe's costs recompute then
+    balance = tuple(options.balance_list) if options.balance_list is not None else None
+    searched = AutoSearch(costs, ranks, size, _budget(options.max_memory, device), options.microbatches,
+                          options.stages_per_rank, balance,
+                          False if options.recompute_every else None)  # the probe's costs recompute then
+    candidates = search(costs, ranks, size, max_memory=searched.max_memory, microbatches=searched.microbatches,
+                        stages_per_rank=searched.stages_per_rank, balance=searched.balance,
+                        recompute=searched.recompute)
     lines = [f"schedule='auto' measured the blocks of `{name}` on a batch of {size} "
              f"({time.perf_counter() - started:.1f} s); fastest of {len(candidates)} predicted:"]
     lines += [f"  {index + 1}. {candidate.describe()}" for index, candidate in enumerate(candidates[:_SHOWN])]
     lines.append(f"schedule='auto' chose {candidates[0].describe()}")
     log.info("\n".join(lines))
-    return candidates[0]
+    return candidates[0], searched
 
 
 def _budget(max_memory: float | None, device: torch.device) -> float | None:

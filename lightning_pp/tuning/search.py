@@ -28,7 +28,8 @@ from lightning_pp.schedule.actions import Action, ActionType, Schedule
 from lightning_pp.schedule.partition import min_max_partition, stage_layer_ranges
 from lightning_pp.schedule.simulate import simulate
 
-__all__ = ["MAX_MICROBATCHES", "Candidate", "MeasuredCosts", "search"]
+__all__ = ["MAX_MICROBATCHES", "Candidate", "MeasuredCosts", "StageCosts", "candidate_schedule", "search",
+           "stage_costs"]
 
 MAX_MICROBATCHES = 32  # beyond this, per-action costs dominate on any device we know
 # (schedule, stages per rank) pairs searched, in the order ties are broken (simpler first)
@@ -55,6 +56,7 @@ class MeasuredCosts:
     latency_s: float  # one point-to-point message
     seconds_per_byte: float
     framework_s: float  # the runtime's own time per action
+    outside_s: float = 0.0  # the step's time outside the schedule (the optimizer, Lightning's loop); 0: not measured
 
     @property
     def num_blocks(self) -> int:
@@ -78,7 +80,7 @@ class Candidate:
     microbatches: int
     balance: tuple[int, ...]
     recompute: bool  # activation checkpointing of every block
-    step_s: float  # predicted step (the schedule's makespan)
+    step_s: float  # predicted step (the schedule's makespan, and the time outside it where that was measured)
     bubble: float  # predicted share of the step the ranks compute nothing
     peak_bytes: float  # predicted most activation bytes a rank holds at once
 
@@ -90,7 +92,7 @@ class Candidate:
 
 
 @cache
-def _schedule(name: str, ranks: int, microbatches: int, stages_per_rank: int) -> Schedule | None:
+def candidate_schedule(name: str, ranks: int, microbatches: int, stages_per_rank: int) -> Schedule | None:
     try:
         return build_schedule(name, ranks, microbatches, stages_per_rank=stages_per_rank)
     except PipelineConfigError:  # a count this schedule does not run
@@ -101,22 +103,36 @@ def _stage_sums(values: list[float], balance: Sequence[int]) -> list[float]:
     return [sum(values[r.start:r.stop]) for r in stage_layer_ranges(balance)]
 
 
-def _evaluate(costs: MeasuredCosts, schedule: Schedule, batch_size: int, recompute: bool,
-              balance: Sequence[int] | None) -> Candidate:
-    size = batch_size / schedule.num_microbatches
-    f, i, w = (costs.at(size, v) for v in (costs.forward, costs.input_backward, costs.weight_backward))
-    saved, out = costs.at(size, costs.saved_bytes), costs.at(size, costs.output_bytes)
+@dataclass(frozen=True)
+class StageCosts:
+    """What one configuration's stages cost per micro-batch: seconds of F, I and W per stage (the work before and after
+    the blocks included; the first stage's whole backward is W), the activation bytes each holds per micro-batch and
+    the bytes each sends."""
+
+    split: tuple[int, ...]
+    forward: list[float]
+    input_backward: list[float]
+    weight_backward: list[float]
+    held: list[float]
+    sent: list[float]
+
+
+def stage_costs(costs: MeasuredCosts, stages: int, microbatch: float, recompute: bool,
+                balance: Sequence[int] | None) -> StageCosts:
+    """The stages' costs at ``microbatch`` samples per micro-batch, on ``balance`` (None: the split that balances
+    F + I + W)."""
+    f, i, w = (costs.at(microbatch, v) for v in (costs.forward, costs.input_backward, costs.weight_backward))
+    saved, out = costs.at(microbatch, costs.saved_bytes), costs.at(microbatch, costs.output_bytes)
     if recompute:  # the forward runs again in the backward, and a block keeps only its input
         i = [a + b for a, b in zip(i, f, strict=True)]
         saved = [out[k - 1] if k else out[0] for k in range(len(out))]
-    before, after = costs.at(size, costs.before), costs.at(size, costs.after)  # (forward, backward) each
+    before, after = costs.at(microbatch, costs.before), costs.at(microbatch, costs.after)  # (forward, backward) each
     totals = [a + b + c for a, b, c in zip(f, i, w, strict=True)]
-    stages = schedule.num_stages
     split = list(balance) if balance is not None else min_max_partition(
         totals, stages, first_extra=sum(before), last_extra=sum(after))
     forward, input_b, weight_b = (_stage_sums(v, split) for v in (f, i, w))
     held, sent = _stage_sums(saved, split), [out[r.stop - 1] for r in stage_layer_ranges(split)]
-    saved_before, saved_after = costs.at(size, costs.outside_saved_bytes)
+    saved_before, saved_after = costs.at(microbatch, costs.outside_saved_bytes)
     held[0] += saved_before
     held[-1] += saved_after
     forward[0] += before[0]
@@ -124,6 +140,13 @@ def _evaluate(costs: MeasuredCosts, schedule: Schedule, batch_size: int, recompu
     input_b[0] = 0.0
     forward[-1] += after[0]
     input_b[-1] += after[1]
+    return StageCosts(tuple(split), forward, input_b, weight_b, held, sent)
+
+
+def _evaluate(costs: MeasuredCosts, schedule: Schedule, batch_size: int, recompute: bool,
+              balance: Sequence[int] | None) -> Candidate:
+    staged = stage_costs(costs, schedule.num_stages, batch_size / schedule.num_microbatches, recompute, balance)
+    forward, input_b, weight_b, sent = staged.forward, staged.input_backward, staged.weight_backward, staged.sent
 
     def cost(action: Action) -> float:
         s, kind = action.stage, action.type
@@ -142,8 +165,9 @@ def _evaluate(costs: MeasuredCosts, schedule: Schedule, batch_size: int, recompu
         return costs.latency_s + sent[source] * costs.seconds_per_byte
 
     timeline = simulate(schedule, cost, in_flight)
-    return Candidate(schedule.name, schedule.stages_per_rank, schedule.num_microbatches, tuple(split), recompute,
-                     timeline.makespan, timeline.bubble_fraction(), _peak_held(schedule, held))
+    return Candidate(schedule.name, schedule.stages_per_rank, schedule.num_microbatches, staged.split, recompute,
+                     timeline.makespan + costs.outside_s, timeline.bubble_fraction(),
+                     _peak_held(schedule, staged.held))
 
 
 def _peak_held(schedule: Schedule, held: list[float]) -> float:
@@ -174,7 +198,7 @@ def search(costs: MeasuredCosts, num_ranks: int, batch_size: int, *, max_memory:
                 balance is not None and len(balance) != stages):
             continue
         for m in counts:
-            schedule = _schedule(name, num_ranks, m, v)
+            schedule = candidate_schedule(name, num_ranks, m, v)
             if schedule is None:
                 continue
             for again in ([recompute] if recompute is not None else [False, True]):

@@ -1,0 +1,244 @@
+"""``schedule="auto"``'s closed loop: measure the chosen configuration over the first training steps and, where the
+measured step misses the prediction by more than :data:`MISS`, say so and re-choose from the measured costs.
+
+Steps ``0 .. WARMUP-1`` are left out (the first step builds the optimizer's state and connects the transfers); the
+whole step (one ``training_step`` start to the next, Lightning's loop and the optimizer included) is timed over the
+next :data:`WINDOWS` steps, and the step after them runs with the runtime's timeline, as ``PipelineMonitor`` times one.
+At the start of the next step every rank hands what it measured to global rank 0, which decides and tells every rank
+(:func:`rechoose`): all switch before that same step. The measured costs are the prediction's costs scaled, per stage,
+to the forward and backward times the stages took, the runtime's own time per action as measured between actions, and
+the step's time outside the schedule. A switch keeps every block where it is (the split, the stages of each rank,
+activation checkpointing) and what the user fixed: the schedule and the micro-batch count may change, which changes
+no result (a schedule computes what one device does; a batch's gradient is the same over any count of micro-batches).
+Micro-batches stay as they are where the module computes batch statistics (batch norm), whose result depends on them.
+Where a faster configuration would move blocks, the log names it, to be set for the next run.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import statistics
+import time
+from collections import defaultdict
+from collections.abc import Callable, Sequence
+from contextlib import AbstractContextManager
+from dataclasses import dataclass, field
+from typing import Any
+
+import torch.distributed as dist
+
+from lightning_pp._logging import get_logger
+from lightning_pp.options import PipelineOptions
+from lightning_pp.schedule.timeline import (
+    BACKWARD,
+    BACKWARD_INPUT,
+    BACKWARD_WEIGHT,
+    FORWARD,
+    TimelineEvent,
+)
+from lightning_pp.tuning.search import Candidate, MeasuredCosts, candidate_schedule, search, stage_costs
+
+__all__ = ["MISS", "AutoChoice", "AutoSearch", "Rechoice", "StepMeasurement", "calibrate", "rechoose"]
+
+log = get_logger(__name__)
+
+MISS = 0.25  # a measured step this far from the prediction (either way) re-chooses
+WARMUP, WINDOWS = 1, 3  # steps left out, whole steps timed; the next one runs timed, the one after it decides
+_BETTER = 0.95  # a switch must be predicted at least 5 % faster than staying
+Sink = Callable[[list[TimelineEvent], int], None]
+
+
+@dataclass(frozen=True)
+class AutoSearch:
+    """What ``schedule="auto"`` searched (on global rank 0): the measured costs, the pipeline's ranks, the batch, the
+    memory budget and what the user fixed (None: searched)."""
+
+    costs: MeasuredCosts
+    num_ranks: int
+    batch_size: int
+    max_memory: float | None
+    microbatches: int | None
+    stages_per_rank: int | None
+    balance: tuple[int, ...] | None
+    recompute: bool | None
+
+
+@dataclass
+class StepMeasurement:
+    """One rank's measurements: ``windows`` (seconds of whole steps); of the timed step, per (stage, category) the
+    seconds and count of its compute, the schedule's wall time on this rank, the seconds its events cover and the
+    count of its actions."""
+
+    windows: list[float] = field(default_factory=list)
+    compute: dict[tuple[int, str], tuple[float, int]] = field(default_factory=dict)
+    wall: float = 0.0
+    covered: float = 0.0
+    actions: int = 0
+
+    def read(self, events: list[TimelineEvent]) -> None:
+        totals: dict[tuple[int, str], list[float]] = defaultdict(list)
+        for event in events:
+            if event.category in (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
+                totals[(event.stage, event.category)].append(event.duration)
+        self.compute = {key: (sum(values), len(values)) for key, values in totals.items()}
+        if events:
+            self.wall = max(e.end for e in events) - min(e.start for e in events)
+            self.covered = sum(e.duration for e in events)
+            self.actions = len({(e.action.stage, e.action.microbatch, e.action.type) for e in events})
+
+
+@dataclass(frozen=True)
+class Rechoice:
+    """Rank 0's decision: the measured step, whether it missed the prediction by more than :data:`MISS`, the candidate
+    to run now (``switch``: a new one), and the log line."""
+
+    measured_s: float
+    missed: bool
+    chosen: Candidate
+    switch: bool
+    message: str
+
+
+def calibrate(costs: MeasuredCosts, current: Candidate, batch_size: int,
+              measured: Sequence[StepMeasurement]) -> MeasuredCosts:
+    """``costs`` scaled to what the stages of ``current`` measured: each block's forward by its stage's measured over
+    predicted forward, its backward likewise; the runtime's time per action from the gaps between a rank's actions;
+    the time outside the schedule from the whole step less the schedule's wall time."""
+    stages = len(current.balance)
+    predicted = stage_costs(costs, stages, batch_size / current.microbatches, current.recompute, current.balance)
+    seconds: dict[tuple[int, str], list[float]] = defaultdict(lambda: [0.0, 0.0])
+    for rank in measured:
+        for key, (total, count) in rank.compute.items():
+            seconds[key][0] += total
+            seconds[key][1] += count
+
+    def mean(stage: int, category: str) -> float:
+        total, count = seconds.get((stage, category), (0.0, 0.0))
+        return total / count if count else 0.0
+
+    def ratio(got: float, want: float) -> float:
+        return got / want if want > 0 and got > 0 else 1.0
+
+    forward = [ratio(mean(s, FORWARD), predicted.forward[s]) for s in range(stages)]
+    backward = [ratio(mean(s, BACKWARD) + mean(s, BACKWARD_INPUT) + mean(s, BACKWARD_WEIGHT),
+                      predicted.input_backward[s] + predicted.weight_backward[s]) for s in range(stages)]
+    stage_of = [s for s, count in enumerate(current.balance) for _ in range(count)]
+
+    def scaled(values: tuple[list[float], list[float]], by: list[float]) -> tuple[list[float], list[float]]:
+        return tuple([x * by[stage_of[k]] for k, x in enumerate(v)] for v in values)  # type: ignore[return-value]
+
+    def ends(values: tuple[tuple[float, float], ...], stage: int) -> Any:
+        return tuple((f * forward[stage], b * backward[stage]) for f, b in values)
+
+    per_action = [(r.wall - r.covered) / r.actions for r in measured if r.actions]
+    windows = [w for r in measured for w in r.windows]
+    wall = max((r.wall for r in measured), default=0.0)
+    return dataclasses.replace(
+        costs, forward=scaled(costs.forward, forward), input_backward=scaled(costs.input_backward, backward),
+        weight_backward=scaled(costs.weight_backward, backward), before=ends(costs.before, 0),
+        after=ends(costs.after, stages - 1),
+        framework_s=max(0.0, statistics.median(per_action)) if per_action else costs.framework_s,
+        outside_s=max(0.0, statistics.median(windows) - wall) if windows else costs.outside_s)
+
+
+def _describe(candidate: Candidate) -> str:
+    return f"{candidate.schedule} m={candidate.microbatches} ({1e3 * candidate.step_s:.1f} ms)"
+
+
+def rechoose(searched: AutoSearch, current: Candidate, measured: Sequence[StepMeasurement],
+             keep_microbatches: bool) -> Rechoice:
+    """Compare the measured step with ``current``'s prediction; past :data:`MISS`, re-choose from the calibrated costs
+    among the configurations that keep every block where it is (``keep_microbatches``: the count too)."""
+    step = statistics.median(w for r in measured for w in r.windows)
+    miss = step / current.step_s - 1
+    said = (f"schedule='auto' predicted {1e3 * current.step_s:.1f} ms per step for {current.schedule} "
+            f"m={current.microbatches} split={list(current.balance)} and measured {1e3 * step:.1f} ms "
+            f"({100 * miss:+.0f} %)")
+    if abs(miss) <= MISS:
+        return Rechoice(step, False, current, False, said)
+    costs = calibrate(searched.costs, current, searched.batch_size, measured)
+    ranks, v = searched.num_ranks, current.stages_per_rank
+    placed = candidate_schedule(current.schedule, ranks, current.microbatches, v)
+    assert placed is not None  # (it runs)
+    microbatches = current.microbatches if keep_microbatches else searched.microbatches
+    here = [c for c in search(costs, ranks, searched.batch_size, max_memory=searched.max_memory,
+                              microbatches=microbatches, stages_per_rank=v, balance=current.balance,
+                              recompute=current.recompute)
+            if (candidate_schedule(c.schedule, ranks, c.microbatches, v) or placed).stage_to_rank
+            == placed.stage_to_rank]
+    staying = next(c for c in here if (c.schedule, c.microbatches) == (current.schedule, current.microbatches))
+    best = here[0]
+    switch = best is not staying and best.step_s < _BETTER * staying.step_s
+    chosen = best if switch else staying
+    lines = [f"{said}: more than {100 * MISS:.0f} % off. From the measured costs it predicts {_describe(staying)}; "
+             + (f"switching to {_describe(best)} from this step on, every block where it is"
+                if switch else "staying with it, the fastest that keeps every block where it is")]
+    anywhere = search(costs, ranks, searched.batch_size, max_memory=searched.max_memory,
+                      microbatches=searched.microbatches, stages_per_rank=searched.stages_per_rank,
+                      balance=searched.balance, recompute=searched.recompute)[0]
+    if anywhere.step_s < _BETTER * chosen.step_s:
+        lines.append(f"A configuration that moves blocks is predicted faster: {anywhere.describe()}. To run it, name "
+                     f"it: schedule={anywhere.schedule!r}, microbatches={anywhere.microbatches}, "
+                     f"balance={list(anywhere.balance)}"
+                     + (f", stages_per_rank={anywhere.stages_per_rank}" if anywhere.stages_per_rank > 1 else ""))
+    return Rechoice(step, True, chosen, switch, "\n".join(lines))
+
+
+class AutoChoice:
+    """``schedule="auto"``'s choice on this rank: the concrete ``options`` runs use, the ``chosen`` candidate (None:
+    the default configuration, nothing measured) and, over a fit's first training steps, the closed loop (see the
+    module's docstring): the session calls :meth:`before_training_step` at the start of each training step."""
+
+    def __init__(self, options: PipelineOptions, chosen: Candidate | None = None, searched: AutoSearch | None = None,
+                 rank: int = 0, keep_microbatches: bool = False, object_group: Callable[[], Any] = lambda: None
+                 ) -> None:
+        self.options, self.chosen = options, chosen
+        self.measured_s: float | None = None  # the median whole step the loop measured
+        self.searched, self.rank, self.keep_microbatches = searched, rank, keep_microbatches
+        self.object_group = object_group
+        self._steps = 0
+        self._starts: list[float] = []
+        self._measurement = StepMeasurement()
+
+    def before_training_step(self, sink: Sink | None, collective: Callable[[str], AbstractContextManager[None]]
+                             ) -> tuple[Sink | None, PipelineOptions | None]:
+        """The timing sink for this step (the monitor's, or one that also reads the events), and the options to run
+        from this step on where the loop switched (else None)."""
+        step, self._steps = self._steps, self._steps + 1
+        if self.chosen is None or step > WARMUP + WINDOWS + 1:
+            return sink, None
+        if WARMUP <= step <= WARMUP + WINDOWS:
+            self._starts.append(time.perf_counter())
+        if step == WARMUP + WINDOWS:  # timed: the events give the stages' costs
+
+            def read(events: list[TimelineEvent], samples: int) -> None:
+                self._measurement.read(events)
+                if sink is not None:
+                    sink(events, samples)
+
+            return read, None
+        if step != WARMUP + WINDOWS + 1:
+            return sink, None
+        self._measurement.windows = [b - a for a, b in zip(self._starts, self._starts[1:], strict=False)]
+        return sink, self._decide(collective)
+
+    def _decide(self, collective: Callable[[str], AbstractContextManager[None]]) -> PipelineOptions | None:
+        group = self.object_group()
+        everyone: list[Any] = [None] * dist.get_world_size(group)
+        decision: list[Any] = [None]
+        assert self.chosen is not None  # (measured)
+        chosen = self.chosen
+        with collective("schedule='auto' comparing its prediction with the measured steps"):
+            dist.gather_object(self._measurement, everyone if self.rank == 0 else None, dst=0, group=group)
+            if self.rank == 0:
+                assert self.searched is not None  # (rank 0 searched)
+                decision[0] = rechoose(self.searched, chosen, everyone, self.keep_microbatches)
+            dist.broadcast_object_list(decision, src=0, group=group)
+        rechoice: Rechoice = decision[0]
+        (log.warning if rechoice.missed else log.info)(rechoice.message)
+        self.measured_s, self.chosen = rechoice.measured_s, rechoice.chosen  # (missed: predicted from what it measured)
+        if not rechoice.switch:
+            return None
+        self.options = dataclasses.replace(self.options, schedule=self.chosen.schedule,  # type: ignore[arg-type]
+                                           microbatches=self.chosen.microbatches)
+        return self.options

@@ -1,0 +1,130 @@
+"""``schedule="auto"``'s closed loop (:mod:`lightning_pp.tuning.closed_loop`): the decision on measurements given by
+hand (single process), and every rank switching at the same step while training stays exact (2 ranks)."""
+
+from __future__ import annotations
+
+import pytest
+from _launch import launch
+from support import assert_trains_like, reference
+
+from lightning_pp.schedule.timeline import BACKWARD, FORWARD
+from lightning_pp.tuning.closed_loop import MISS, AutoSearch, StepMeasurement, calibrate, rechoose
+from lightning_pp.tuning.search import Candidate, MeasuredCosts, search, stage_costs
+
+BLOCKS, BATCH = 8, 32
+
+
+def costs(per_row: float = 1e-3, slow_first: float = 1.0) -> MeasuredCosts:
+    """F = I = W = ``per_row`` seconds per row for each block (the first ``slow_first`` times as long), at
+    micro-batches of 2 and 16 rows; nothing else costs anything."""
+    def both(value: float) -> tuple[list[float], list[float]]:
+        return tuple([value * rows * (slow_first if b == 0 else 1) for b in range(BLOCKS)]  # type: ignore[return-value]
+                     for rows in (2, 16))
+
+    zero = ((0.0, 0.0), (0.0, 0.0))
+    return MeasuredCosts(sizes=(2.0, 16.0), forward=both(per_row), input_backward=both(per_row),
+                         weight_backward=both(per_row), saved_bytes=both(1.0), output_bytes=both(1.0), before=zero,
+                         after=zero, outside_saved_bytes=zero, latency_s=0.0, seconds_per_byte=0.0, framework_s=0.0)
+
+
+def searched(measured: MeasuredCosts, **fixed: object) -> AutoSearch:
+    return AutoSearch(measured, 2, BATCH, None, fixed.get("microbatches"), fixed.get("stages_per_rank"),  # type: ignore[arg-type]
+                      fixed.get("balance"), None)  # type: ignore[arg-type]
+
+
+def configuration(measured: MeasuredCosts, schedule: str, microbatches: int, balance: tuple[int, ...]) -> Candidate:
+    return next(c for c in search(measured, 2, BATCH, microbatches=microbatches, stages_per_rank=1, balance=balance,
+                                  recompute=False) if c.schedule == schedule)
+
+
+def measurement(measured: MeasuredCosts, current: Candidate, slower: tuple[float, float] = (1.0, 1.0),
+                gap_s: float = 0.0, window_s: float | None = None) -> list[StepMeasurement]:
+    """What the two ranks of ``current`` would measure: stage ``s``'s compute ``slower[s]`` times the prediction,
+    ``gap_s`` between actions (20 per rank), whole steps of ``window_s`` (default: the prediction)."""
+    staged = stage_costs(measured, 2, BATCH / current.microbatches, False, current.balance)
+    m, ranks = current.microbatches, []
+    for s in range(2):
+        forward = staged.forward[s] * slower[s]
+        backward = (staged.input_backward[s] + staged.weight_backward[s]) * slower[s]
+        wall = current.step_s * max(slower) + 20 * gap_s
+        ranks.append(StepMeasurement(windows=[window_s if window_s is not None else wall] * 3,
+                                     compute={(s, FORWARD): (forward * m, m), (s, BACKWARD): (backward * m, m)},
+                                     wall=wall, covered=wall - 20 * gap_s, actions=20))
+    return ranks
+
+
+def test_the_measured_costs_scale_each_stage_to_what_it_took() -> None:
+    measured = costs()
+    current = configuration(measured, "1f1b", 4, (4, 4))
+    ranks = measurement(measured, current, slower=(1.0, 2.0), gap_s=1e-3, window_s=current.step_s * 3)
+    calibrated = calibrate(measured, current, BATCH, ranks)
+    for k in range(2):
+        assert calibrated.forward[k][:4] == pytest.approx(measured.forward[k][:4])
+        assert calibrated.forward[k][4:] == pytest.approx([2 * x for x in measured.forward[k][4:]])
+        assert calibrated.weight_backward[k][4:] == pytest.approx([2 * x for x in measured.weight_backward[k][4:]])
+    assert calibrated.framework_s == pytest.approx(1e-3)
+    assert calibrated.outside_s == pytest.approx(current.step_s * 3 - ranks[0].wall)
+
+
+def test_a_step_within_the_margin_keeps_the_choice() -> None:
+    measured = costs()
+    current = configuration(measured, "1f1b", 4, (4, 4))
+    decided = rechoose(searched(measured), current, measurement(measured, current,
+                                                                window_s=(1 + MISS - 0.05) * current.step_s), False)
+    assert not decided.missed and not decided.switch and decided.chosen is current
+    assert "(+20 %)" in decided.message and "more than" not in decided.message
+
+
+def test_a_missed_step_with_costly_actions_switches_to_fewer_microbatches_keeping_the_split() -> None:
+    """The probe saw cheap actions; the run spends 20 ms between actions: fewer micro-batches are predicted faster,
+    and the switch keeps the split and each stage's rank (1F1B, GPipe or ZB-H1)."""
+    measured = costs(per_row=1e-4)
+    current = configuration(measured, "1f1b", 16, (4, 4))
+    decided = rechoose(searched(measured), current, measurement(measured, current, gap_s=0.02), False)
+    assert decided.missed and decided.switch, decided.message
+    chosen = decided.chosen
+    assert chosen.microbatches < 16 and chosen.balance == (4, 4) and chosen.stages_per_rank == 1
+    assert chosen.schedule in ("1f1b", "gpipe", "zb_h1")
+    assert f"switching to {chosen.schedule} m={chosen.microbatches}" in decided.message
+    # the measured costs predict the step that was measured for the configuration that ran
+    staying = rechoose(searched(measured), current, measurement(measured, current, gap_s=0.02), True)
+    assert staying.chosen.microbatches == 16
+
+
+def test_a_faster_split_is_named_for_the_next_run_not_switched_to() -> None:
+    """The first stage measured 4x slower than predicted: a split giving it fewer blocks is predicted faster, but it
+    would move blocks between ranks: the log names it; the run keeps its split."""
+    measured = costs()
+    current = configuration(measured, "1f1b", 8, (4, 4))
+    decided = rechoose(searched(measured), current, measurement(measured, current, slower=(4.0, 1.0)), False)
+    assert decided.missed and decided.chosen.balance == (4, 4)
+    named = decided.message.splitlines()[-1]
+    assert named.startswith("A configuration that moves blocks is predicted faster"), decided.message
+    assert "To run it, name it: schedule=" in named and "balance=[" in named and "balance=[4, 4]" not in named
+
+
+@pytest.mark.multiprocess
+@pytest.mark.timeout(400)
+def test_the_closed_loop_switches_every_rank_at_the_same_step_and_trains_as_one_device() -> None:
+    """2 ranks, 8 steps: (a) a switch decided on rank 0 (forced: 1F1B and GPipe trade places, another micro-batch
+    count) runs on both ranks from step 5 on, and training equals one device's; (b) a loop that sleeps 0.3 s per step
+    outside the schedule misses the prediction: rank 0 says so and stays (that time is the same for every
+    configuration)."""
+    runs = [{"scenario": "tuning_scenarios:auto_recording_schedules",
+             "kwargs": {"model": "mlp", "max_steps": 8, "stages_per_rank": 1, "force_switch": True}},
+            {"scenario": "tuning_scenarios:auto_recording_schedules",
+             "kwargs": {"model": "mlp", "max_steps": 8, "stages_per_rank": 1, "slow_loop_s": 0.3}}]
+    ranks = launch(2, runs, timeout=300)
+    expected = reference("mlp", max_steps=8)
+    for index, run in enumerate(runs):
+        assert_trains_like(ranks, index, run, expected, f"auto {run['kwargs']}")
+    switched = [rank.results[0]["schedules"] for rank in ranks]
+    assert switched[0] == switched[1] and len(switched[0]) == 8, switched
+    assert len(set(switched[0][:5])) == 1 and len(set(switched[0][5:])) == 1, switched
+    assert switched[0][4] != switched[0][5] and switched[0][5][0] in ("1f1b", "gpipe"), switched
+    assert "forced: switching to" in ranks[0].output
+    kept = [rank.results[1]["schedules"] for rank in ranks]
+    assert kept[0] == kept[1] and len(set(kept[0])) == 1, kept
+    missed = [line for line in ranks[0].output.splitlines() if "schedule='auto' predicted" in line]
+    assert len(missed) == 2 and "more than 25 % off" in missed[1], ranks[0].output[-3000:]
+    assert "staying with it" in ranks[0].output
