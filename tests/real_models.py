@@ -1,78 +1,55 @@
-"""LightningModules shaped like real models (Hugging Face GPT-2, nanoGPT, Llama-style decoders, a diffusion denoiser,
-fine-tuning), written as a user would with no pipeline in mind, and the one training run their tests compare.
+"""LightningModules shaped like real models (Hugging Face GPT-2, Llama, Mamba, Mixtral, ViT and DeBERTa, nanoGPT,
+Llama-style decoders, a diffusion denoiser, a U-Net, fine-tuning), written as a user would with no pipeline in mind.
 
-Every module brings its own data loaders (seeded, nothing downloaded), so ``run`` is the single entry point for the
-single-device reference and for each pipelined rank. The modules are also registered in ``models.MODELS``.
+Every module brings its own data loaders (seeded, from ``loaders.py``). Each is an entry of ``models.MODELS``, trained
+by ``models.fit`` like every other model of the suite.
 """
 
 from __future__ import annotations
 
 import math
-import tempfile
-from collections.abc import Callable
-from dataclasses import dataclass
-from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from lightning.pytorch.callbacks import BackboneFinetuning, ModelCheckpoint
 from lightning.pytorch.utilities import grad_norm
-from models import MODELS, AppliedGradientRecorder, RecordingLogger, local_numel, whole
+from loaders import BATCH_SIZE, SEQ_LEN, VOCAB, features, image_batches, padded_batches, token_batches
 from torch import nn
 from torch.nn import functional as F
 from torch.utils.data import DataLoader, TensorDataset
-
-VOCAB = 64
-SEQ_LEN = 12
-BATCH_SIZE = 8
-
-
-# ---------------------------------------------------------------------------------------------------------------- data
-def token_batches(batches: int = 4, seed: int = 0, noisy_rows: int = 0) -> DataLoader:
-    """Sequences ``start, start + stride, start + 2 stride, ...`` (mod VOCAB): learnable after two tokens.
-
-    ``noisy_rows`` rows at the end of every batch are uniform random tokens instead, so losses differ a lot between the
-    halves of a batch (a mean of per-half ``exp(loss)`` then differs visibly from ``exp`` of the mean).
-    """
-    generator = torch.Generator().manual_seed(seed)
-    n = batches * BATCH_SIZE
-    pool = max(batches, 4) * BATCH_SIZE  # the first batches of a seed are the same whatever ``batches`` is
-    start = torch.randint(0, VOCAB, (pool, 1), generator=generator)[:n]
-    stride = torch.randint(1, 4, (pool, 1), generator=generator)[:n]
-    tokens = (start + stride * torch.arange(SEQ_LEN)) % VOCAB
-    if noisy_rows:
-        noisy = torch.randint(0, VOCAB, (n, SEQ_LEN), generator=generator)
-        rows = (torch.arange(n) % BATCH_SIZE) >= BATCH_SIZE - noisy_rows
-        tokens = torch.where(rows[:, None], noisy, tokens)
-    return DataLoader(TensorDataset(tokens), batch_size=BATCH_SIZE, shuffle=False)
-
-
-def feature_batches(batches: int = 4, seed: int = 0, features: int = 10, classes: int = 5) -> DataLoader:
-    generator = torch.Generator().manual_seed(seed)
-    n = batches * BATCH_SIZE
-    x, y = torch.randn(n, features, generator=generator), torch.randint(0, classes, (n,), generator=generator)
-    return DataLoader(TensorDataset(x, y), batch_size=BATCH_SIZE, shuffle=False)
 
 
 def next_token_loss(logits: torch.Tensor, tokens: torch.Tensor) -> torch.Tensor:
     return F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), tokens[:, 1:].reshape(-1))
 
 
-# ------------------------------------------------------------------------------------------ 1. Hugging Face GPT-2
-class HFGPT2(L.LightningModule):
-    """``GPT2LMHeadModel`` from a small config, wrapped as ``self.model``; blocks in ``model.transformer.h`` (an
-    ``nn.ModuleList`` that GPT-2's forward loops over with a causal mask, position ids and a cache), head tied to
-    ``wte``. Dropout off for exact comparisons, or GPT2Config's defaults (0.1 everywhere)."""
+# ---------------------------------------------------------------------------------- 1. Hugging Face language models
+def causal_lm(family: str, dropout: float = 0.0) -> nn.Module:
+    """A Hugging Face causal LM from a small config (random weights, nothing downloaded): GPT-2 (its dropout ``dropout``
+    everywhere), Llama (grouped key/value heads, rotary positions) or Mamba (whose cache holds convolution and
+    recurrent states instead of keys and values)."""
+    import transformers
 
-    def __init__(self, dropout: bool = False, lr: float = 3e-3) -> None:
+    if family == "gpt2":
+        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
+            n_layer=4, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=16, resid_pdrop=dropout,
+            embd_pdrop=dropout, attn_pdrop=dropout))
+    if family == "llama":
+        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
+            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=32))
+    assert family == "mamba", family
+    return transformers.MambaForCausalLM(transformers.MambaConfig(
+        vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=4, expand=2, conv_kernel=4))
+
+
+class HFLanguageModel(L.LightningModule):
+    """A Hugging Face language model as ``self.model``, trained on `token_batches` to predict its own tokens
+    (``self.model(input_ids, labels=input_ids).loss``, logged as ``train_loss``) with AdamW."""
+
+    def __init__(self, model: nn.Module, lr: float = 3e-3) -> None:
         super().__init__()
-        from transformers import GPT2Config, GPT2LMHeadModel
-
-        p = 0.1 if dropout else 0.0  # 0.1: GPT2Config's default
-        config = GPT2Config(n_layer=4, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=16, resid_pdrop=p,
-                            embd_pdrop=p, attn_pdrop=p)
-        self.model = GPT2LMHeadModel(config)
+        self.model = model
         self.lr = lr
 
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
@@ -86,6 +63,15 @@ class HFGPT2(L.LightningModule):
 
     def train_dataloader(self) -> DataLoader:
         return token_batches()
+
+
+class HFGPT2(HFLanguageModel):
+    """``GPT2LMHeadModel`` (see `causal_lm`); blocks in ``model.transformer.h`` (an ``nn.ModuleList`` that GPT-2's
+    forward loops over with a causal mask, position ids and a cache), head tied to ``wte``. Dropout off for exact
+    comparisons, or GPT2Config's defaults (0.1 everywhere)."""
+
+    def __init__(self, dropout: bool = False, lr: float = 3e-3) -> None:
+        super().__init__(causal_lm("gpt2", dropout=0.1 if dropout else 0.0), lr)  # 0.1: GPT2Config's default
 
 
 class PaddedHFGPT2(HFGPT2):
@@ -226,7 +212,7 @@ class TupleCarry(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
     def train_dataloader(self) -> DataLoader:
-        return feature_batches()
+        return features(seed=0)
 
 
 class LegacyAttentionBlock(nn.Module):
@@ -324,7 +310,7 @@ class DictState(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
     def train_dataloader(self) -> DataLoader:
-        return feature_batches(seed=2)
+        return features(seed=2)
 
 
 # ------------------------------------------------------------------------------------------------- 4. denoiser
@@ -559,19 +545,10 @@ class InplaceFeatures(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
 
     def train_dataloader(self) -> DataLoader:
-        return feature_batches(seed=8)
+        return features(seed=8)
 
 
 # ------------------------------------------------------------------------- 9. PyTorch's own nn.TransformerEncoder
-def padded_batches(batches: int = 4, seed: int = 0) -> DataLoader:
-    """``token_batches`` sequences padded with token 0 after a random length (4 to SEQ_LEN), and a class per row."""
-    (tokens,) = token_batches(batches, seed).dataset.tensors  # type: ignore[attr-defined]
-    generator = torch.Generator().manual_seed(seed + 1)
-    lengths = torch.randint(4, SEQ_LEN + 1, (len(tokens), 1), generator=generator)
-    tokens = torch.where(torch.arange(SEQ_LEN) < lengths, tokens.clamp(min=1), 0)
-    return DataLoader(TensorDataset(tokens, tokens[:, 1] % 5), batch_size=BATCH_SIZE, shuffle=False)
-
-
 class TorchEncoderClassifier(L.LightningModule):
     """``nn.TransformerEncoder`` (its layers in ``encoder.layers``, looped by PyTorch) over padded sequences with a
     ``src_key_padding_mask``, mean-pooled. In evaluation PyTorch takes its fast path: the first layer's settings and
@@ -628,13 +605,6 @@ class TorchEncoderClassifier(L.LightningModule):
 
 
 # -------------------------------------------------------------------- 10. Hugging Face ViT for image classification
-def image_batches(batches: int = 4, seed: int = 0, classes: int = 5) -> DataLoader:
-    generator = torch.Generator().manual_seed(seed)
-    images = torch.randn(batches * 8, 3, 8, 8, generator=generator)
-    labels = torch.randint(0, classes, (batches * 8,), generator=generator)
-    return DataLoader(TensorDataset(images, labels), batch_size=8)
-
-
 class HFViT(L.LightningModule):
     """``ViTForImageClassification`` from a small config, unmodified: its layers in ``model.vit.encoder.layer``, found
     automatically. Its forward reads ``self.embeddings.patch_embeddings.projection.weight.dtype`` on every stage, also
@@ -746,42 +716,14 @@ class SampledNanoGPT(GeneratingNanoGPT):
         return idx
 
 
-def _causal_lm(family: str) -> nn.Module:
-    """A Hugging Face causal LM from a small config: GPT-2, Llama (grouped key/value heads, rotary positions) or Mamba
-    (whose cache holds convolution and recurrent states instead of keys and values)."""
-    import transformers
-
-    if family == "gpt2":
-        return transformers.GPT2LMHeadModel(transformers.GPT2Config(
-            n_layer=4, n_embd=32, n_head=4, vocab_size=VOCAB, n_positions=16, resid_pdrop=0.0, embd_pdrop=0.0,
-            attn_pdrop=0.0))
-    if family == "llama":
-        return transformers.LlamaForCausalLM(transformers.LlamaConfig(
-            vocab_size=VOCAB, hidden_size=32, intermediate_size=64, num_hidden_layers=4, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=32))
-    assert family == "mamba", family
-    return transformers.MambaForCausalLM(transformers.MambaConfig(
-        vocab_size=VOCAB, hidden_size=32, state_size=8, num_hidden_layers=4, expand=2, conv_kernel=4))
-
-
-class GeneratingCausalLM(L.LightningModule):
-    """A Hugging Face causal LM (see ``_causal_lm``) trained two steps, then ``generate``-ing 5 tokens per prompt in
+class GeneratingCausalLM(HFLanguageModel):
+    """A Hugging Face causal LM (see `causal_lm`) trained two steps, then ``generate``-ing 5 tokens per prompt in
     ``predict_step`` with their scores: greedy, or sampled (temperature, top-k) after seeding, with or without the
     cache. ``cache="unknown"``: a ``DynamicCache`` subclass of the test's own, which the fast path does not mirror."""
 
     def __init__(self, family: str, cache: str = "dynamic", sample: bool = False) -> None:
-        super().__init__()
-        self.model = _causal_lm(family)
+        super().__init__(causal_lm(family))
         self.cache, self.sample = cache, sample
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        (input_ids,) = batch
-        loss = self.model(input_ids, labels=input_ids).loss
-        self.log("train_loss", loss)
-        return loss
-
-    def configure_optimizers(self) -> Any:
-        return torch.optim.AdamW(self.parameters(), lr=3e-3, weight_decay=0.01)
 
     def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
         (input_ids,) = batch
@@ -801,9 +743,6 @@ class GeneratingCausalLM(L.LightningModule):
                                         output_scores=True, return_dict_in_generate=True, **extra)
         scores = torch.stack(generated.scores, dim=1).flatten(1)
         return torch.cat([generated.sequences.to(scores.dtype), scores], dim=1)
-
-    def train_dataloader(self) -> DataLoader:
-        return token_batches()
 
     def predict_dataloader(self) -> DataLoader:
         return token_batches(batches=2, seed=2)
@@ -1000,14 +939,10 @@ class UNetAutoencoder(L.LightningModule):
         return torch.optim.SGD(self.parameters(), lr=0.5)
 
     def train_dataloader(self) -> DataLoader:
-        generator = torch.Generator().manual_seed(0)
-        return DataLoader(TensorDataset(torch.randn(4 * BATCH_SIZE, 3, 16, 16, generator=generator)),
-                          batch_size=BATCH_SIZE)
+        return image_batches(seed=0, size=16, labelled=False)
 
     def val_dataloader(self) -> DataLoader:
-        generator = torch.Generator().manual_seed(1)
-        return DataLoader(TensorDataset(torch.randn(2 * BATCH_SIZE, 3, 16, 16, generator=generator)),
-                          batch_size=BATCH_SIZE)
+        return image_batches(batches=2, seed=1, size=16, labelled=False)
 
 
 # ----------------------------------------------------------- 11. a container of blocks of a few alternating types
@@ -1078,13 +1013,6 @@ class CompiledNanoGPT(NanoGPT):
         self.transformer.h = nn.ModuleList([torch.compile(block, backend="eager") for block in self.transformer.h])
 
 
-def compiled_graphs() -> int:
-    """The graphs dynamo has compiled in this process."""
-    from torch._dynamo.utils import counters
-
-    return int(counters["stats"]["unique_graphs"])
-
-
 # ------------------------------------------------------- 13. relative positions computed before the blocks, in each
 class RelativeAttentionBlock(nn.Module):
     """Causal attention whose scores add a content-to-position term, as DeBERTa's disentangled attention does: each
@@ -1140,14 +1068,13 @@ class RelativePositionLM(L.LightningModule):
         return token_batches()
 
 
-class HFDeberta(L.LightningModule):
+class HFDeberta(HFLanguageModel):
     """Hugging Face's ``DebertaV2ForMaskedLM`` from a small config (random weights, nothing downloaded): its encoder
     computes ``LayerNorm(rel_embeddings.weight)`` once before its layers and hands it to each (relative attention over
     position buckets, content-to-position and position-to-content terms, the attention key shared with the position
     keys). Trained with SGD to predict its own tokens; dropout off for exact comparisons."""
 
     def __init__(self) -> None:
-        super().__init__()
         from transformers import DebertaV2Config, DebertaV2ForMaskedLM
 
         config = DebertaV2Config(vocab_size=VOCAB, hidden_size=32, num_hidden_layers=4, num_attention_heads=4,
@@ -1155,22 +1082,13 @@ class HFDeberta(L.LightningModule):
                                  position_buckets=8, max_relative_positions=16, norm_rel_ebd="layer_norm",
                                  pos_att_type=["p2c", "c2p"], share_att_key=True, position_biased_input=False,
                                  type_vocab_size=0, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0)
-        self.model = DebertaV2ForMaskedLM(config)
-
-    def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
-        (input_ids,) = batch
-        loss = self.model(input_ids, labels=input_ids).loss
-        self.log("train_loss", loss)
-        return loss
+        super().__init__(DebertaV2ForMaskedLM(config))
 
     def configure_optimizers(self) -> Any:
         return torch.optim.SGD(self.parameters(), lr=0.1)
 
-    def train_dataloader(self) -> DataLoader:
-        return token_batches()
 
-
-# --------------------------------------------------------------------------------------------- the runs compared
+# --------------------------------------------------------------------------------------------------------- helpers
 def with_sgd(model: type[L.LightningModule]) -> L.LightningModule:
     """``model`` trained with SGD, whose parameters can be compared element-wise (AdamW turns fp32 noise in near-zero
     gradients into full steps)."""
@@ -1181,129 +1099,3 @@ def with_sgd(model: type[L.LightningModule]) -> L.LightningModule:
 
     WithSGD.__name__ = WithSGD.__qualname__ = f"{model.__name__}WithSGD"
     return WithSGD()
-
-
-@dataclass(frozen=True)
-class Spec:
-    """How a model of this file is trained, the same for the single-device reference and every pipelined rank."""
-
-    build: Callable[[], L.LightningModule]
-    max_steps: int = 4
-    max_epochs: int = -1
-    validate: bool = False  # validate every epoch and keep the best two checkpoints by `monitor`
-    monitor: str = "val_ppl"
-    finetune: bool = False  # BackboneFinetuning, unfreezing at epoch 1
-    predict: bool = False  # after fit, predict on the validation batches
-    meta: bool = False  # built on the meta device: under trainer.init_module(empty_init=True), or by hand on one device
-
-
-SPECS: dict[str, Spec] = {
-    "hf_gpt2": Spec(HFGPT2),
-    "hf_gpt2_dropout": Spec(lambda: HFGPT2(dropout=True), max_steps=12, max_epochs=3),
-    "hf_gpt2_padded": Spec(PaddedHFGPT2),
-    "nanogpt": Spec(NanoGPT),
-    "hf_gpt2_sgd": Spec(lambda: with_sgd(HFGPT2)),
-    "hf_gpt2_meta": Spec(lambda: with_sgd(HFGPT2), meta=True),
-    "nanogpt_meta": Spec(lambda: with_sgd(NanoGPT), meta=True),
-    "tuple_carry": Spec(TupleCarry),
-    "tuple_output": Spec(TupleOutput),
-    "dict_state": Spec(DictState),
-    "denoiser_identity": Spec(lambda: Denoiser(identity=True, signal=0.0)),
-    "denoiser": Spec(Denoiser),
-    "val_ppl": Spec(PerplexityLM, max_steps=-1, max_epochs=3, validate=True),
-    "finetune": Spec(FinetuneLM, max_steps=-1, max_epochs=3, finetune=True),
-    "sliced": Spec(SlicedDecoder),
-    "inplace": Spec(InplaceFeatures),
-    "torch_encoder": Spec(TorchEncoderClassifier, max_steps=-1, max_epochs=3, validate=True, predict=True),
-    "torch_causal": Spec(lambda: TorchEncoderClassifier(causal=True), max_steps=-1, max_epochs=3, validate=True),
-    "hf_vit": Spec(HFViT),
-    "alternating": Spec(AlternatingLM),
-    "compiled": Spec(CompiledNanoGPT),
-    "hf_gpt2_hidden_states": Spec(HiddenStatesGPT2),
-    "hf_gpt2_grad_norm": Spec(GradNormGPT2),
-    "nanogpt_generate": Spec(GeneratingNanoGPT, max_steps=-1, max_epochs=2, validate=True, predict=True),
-    "hf_gpt2_generate": Spec(GeneratingGPT2, max_steps=-1, max_epochs=2, validate=True, predict=True),
-    "hf_gpt2_generate_no_cache": Spec(lambda: GeneratingGPT2(use_cache=False), max_steps=-1, max_epochs=2,
-                                      validate=True, predict=True),
-    "nanogpt_sampled": Spec(SampledNanoGPT, max_steps=-1, max_epochs=2, validate=True, predict=True),
-    **{f"{family}_generate_{cache}{'_sampled' if sample else ''}": Spec(
-        lambda family=family, cache=cache, sample=sample: GeneratingCausalLM(family, cache, sample), max_steps=2,
-        predict=True)
-       for family in ("gpt2", "llama", "mamba") for cache in ("dynamic", "none", "unknown")
-       for sample in (False, True)},
-    "hooked_aux_loss": Spec(HookedAuxLoss),
-    "nanogpt_grad_norm": Spec(GradNormNanoGPT),
-    "unet": Spec(UNetAutoencoder, max_steps=-1, max_epochs=2, validate=True, monitor="val_loss"),
-    "hf_mixtral": Spec(HFMixtral, max_steps=-1, max_epochs=2, validate=True),
-    "hf_mixtral_quarters": Spec(lambda: HFMixtral(chunks=4), max_steps=-1, max_epochs=2, validate=True),
-    "relative_positions": Spec(RelativePositionLM),
-    "hf_deberta": Spec(HFDeberta),
-}
-MODELS.update({name: spec.build for name, spec in SPECS.items()})
-
-
-def _build(spec: Spec, strategy: Any) -> L.LightningModule:
-    """The spec's module; a meta one is built as a user would: under the strategy's ``init_module(empty_init=True)``
-    when pipelined, else on the meta device and materialized as lightning_pp materializes a stage."""
-    if not spec.meta:
-        return spec.build()
-    if strategy == "auto":
-        from lightning_pp.model.materialize import left_uninitialized, materialize
-
-        with torch.device("meta"):
-            module = spec.build()
-        assert left_uninitialized(module, materialize(module, torch.device("cpu"))) is None
-        return module
-    with strategy.tensor_init_context(empty_init=True):  # what trainer.init_module(empty_init=True) enters
-        module = spec.build()
-    assert next(module.parameters()).is_meta
-    return module
-
-
-def run(name: str, strategy: Any = "auto", devices: int = 1, dirpath: str | None = None,
-        replay: list[torch.Tensor] | None = None) -> dict[str, Any]:
-    """Seed, build and train model ``name`` as ``SPECS`` says; return what the tests compare: this process's state
-    dict, the logged metrics (global rank 0), the gradients handed to the optimizer at every step, the noise drawn by
-    the denoisers, and for ``validate`` the checkpoint decisions (file names relative to ``dirpath``). ``replay``: noise
-    for a denoiser to use, one tensor per step, instead of drawing its own."""
-    spec = SPECS[name]
-    L.seed_everything(7, verbose=False)
-    module = _build(spec, strategy)
-    if replay is not None:
-        assert isinstance(module, Denoiser)
-        module.replay = list(replay)
-    logger, recorder = RecordingLogger(), AppliedGradientRecorder()
-    callbacks: list[L.Callback] = [recorder]
-    checkpoint = None
-    with tempfile.TemporaryDirectory() as scratch:
-        if spec.validate:
-            checkpoint = ModelCheckpoint(dirpath=dirpath or scratch, monitor=spec.monitor, mode="min", save_top_k=2)
-            callbacks.append(checkpoint)
-        if spec.finetune:
-            callbacks.append(BackboneFinetuning(unfreeze_backbone_at_epoch=1, verbose=False))
-        trainer = L.Trainer(
-            accelerator="cpu", devices=devices, strategy=strategy, max_steps=spec.max_steps,
-            max_epochs=spec.max_epochs, logger=logger, callbacks=callbacks, log_every_n_steps=1,
-            enable_checkpointing=checkpoint is not None, enable_progress_bar=False, enable_model_summary=False,
-            num_sanity_val_steps=0, limit_val_batches=1.0 if spec.validate else 0,
-        )  # fmt: skip
-        trainer.fit(module)
-        result: dict[str, Any] = {
-            "state": {k: whole(v).detach().clone() for k, v in module.state_dict().items()},
-            "local_numel": {name: local_numel(p) for name, p in module.named_parameters()},
-            "history": logger.history,
-            "grads": recorder.grads,
-            "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
-            "drawn": list(getattr(module, "drawn", [])),
-            "graphs": compiled_graphs(),
-            "samples": list(getattr(module, "samples", [])),
-        }
-        if spec.predict:
-            result["predictions"] = torch.cat(trainer.predict(module))  # type: ignore[arg-type]
-        if checkpoint is not None:
-            assert checkpoint.best_model_score is not None
-            result["best_score"] = float(checkpoint.best_model_score)
-            result["best_path"] = Path(checkpoint.best_model_path).name
-            result["top_k"] = sorted((Path(p).name, float(s)) for p, s in checkpoint.best_k_models.items())
-            result["files"] = sorted(p.name for p in Path(checkpoint.dirpath or scratch).iterdir())
-    return result

@@ -17,95 +17,41 @@ NUM_NODES = WORLD_SIZE // DEVICES
 GLOBAL_RANK = int(os.environ.get("RANK", os.environ["LOCAL_RANK"]))
 
 
-def train(model: str, max_steps: int = 4, batch_size: int = 8, trainer: dict[str, Any] | None = None,
-          timeout: float = 60, max_epochs: int | None = None, ckpt_path: str | None = None,
-          save_to: str | None = None, fp16_scaler: bool = False, seed_per_rank: bool = False,
-          **strategy: Any) -> dict[str, Any]:
-    """Train pipelined (each rank seeded differently with ``seed_per_rank``); return this stage's parameters and (on
-    rank 0) the logged metrics."""
-    return _train(PipelineParallelStrategy(transfer_timeout=timeout, **strategy), model, max_steps, batch_size, trainer,
-                  max_epochs, ckpt_path, save_to, fp16_scaler, seed_per_rank)
+def train(model: str, trainer: dict[str, Any] | None = None, timeout: float = 60, seed_per_rank: bool = False,
+          max_steps: int | None = None, max_epochs: int | None = None, batch_size: int = 8,
+          ckpt_path: str | None = None, save_to: str | None = None, dirpath: str | None = None,
+          fp16_scaler: bool = False, record_steps: bool = False, **strategy: Any) -> dict[str, Any]:
+    """`models.fit` pipelined (``strategy``: PipelineParallelStrategy's options; ``trainer``: `fit`'s and the
+    Trainer's; each rank seeded differently with ``seed_per_rank``): this rank's result."""
+    if isinstance(strategy.get("microbatch_weight"), str):  # named: a function cannot travel in the job's JSON
+        import real_models
+
+        strategy["microbatch_weight"] = getattr(real_models, strategy["microbatch_weight"])
+    return _fit(model, PipelineParallelStrategy(transfer_timeout=timeout, **strategy), trainer,
+                seed=7 + GLOBAL_RANK if seed_per_rank else 7, max_steps=max_steps, max_epochs=max_epochs,
+                batch_size=batch_size, ckpt_path=ckpt_path, save_to=save_to, dirpath=dirpath, fp16_scaler=fp16_scaler,
+                record_steps=record_steps)
 
 
-def train_ddp(model: str, max_steps: int = 4, batch_size: int = 8, trainer: dict[str, Any] | None = None,
-              max_epochs: int | None = None, ckpt_path: str | None = None,
-              save_to: str | None = None) -> dict[str, Any]:
+def train_ddp(model: str, trainer: dict[str, Any] | None = None, **options: Any) -> dict[str, Any]:
     """`train` with Lightning's own ``strategy="ddp"`` on every process of the job: the data-parallel reference."""
-    return _train("ddp", model, max_steps, batch_size, trainer, max_epochs, ckpt_path, save_to)
+    return _fit(model, "ddp", trainer, **options)
 
 
-def train_model_parallel(model: str, data_parallel_size: int, tensor_parallel_size: int, max_steps: int = 4,
-                         trainer: dict[str, Any] | None = None) -> dict[str, Any]:
+def train_model_parallel(model: str, data_parallel_size: int, tensor_parallel_size: int,
+                         trainer: dict[str, Any] | None = None, **options: Any) -> dict[str, Any]:
     """`train` with Lightning's own ``ModelParallelStrategy``: the reference of tensor parallelism."""
     from lightning.pytorch.strategies import ModelParallelStrategy
 
-    return _train(ModelParallelStrategy(data_parallel_size=data_parallel_size,
-                                        tensor_parallel_size=tensor_parallel_size), model, max_steps, 8, trainer,
-                  None, None, None)
+    return _fit(model, ModelParallelStrategy(data_parallel_size=data_parallel_size,
+                                             tensor_parallel_size=tensor_parallel_size), trainer, **options)
 
 
-def _train(strategy: Any, model: str, max_steps: int, batch_size: int, trainer: dict[str, Any] | None,
-           max_epochs: int | None, ckpt_path: str | None, save_to: str | None, fp16_scaler: bool = False,
-           seed_per_rank: bool = False) -> dict[str, Any]:
-    """Fit ``model`` with ``strategy`` on ``DEVICES`` processes per node and ``NUM_NODES`` nodes; trainer options
-    ``record_grads`` and ``record_batches`` add a recording callback."""
-    extra = dict(trainer or {})
-    recorder = batches = None
-    if extra.pop("record_grads", False):
-        from models import GradientRecorder
-
-        recorder = GradientRecorder()
-        extra["callbacks"] = [*extra.get("callbacks", []), recorder]
-    if extra.pop("record_batches", False):
-        from models import BatchRecorder
-
-        batches = BatchRecorder()
-        extra["callbacks"] = [*extra.get("callbacks", []), batches]
-    dtypes = None
-    if extra.pop("record_weight_dtypes", False):
-        from models import WeightDtypeRecorder
-
-        dtypes = WeightDtypeRecorder()
-        extra["callbacks"] = [*extra.get("callbacks", []), dtypes]
-    checkpoint_dir = extra.pop("checkpoint_every_epoch", None)
-    if checkpoint_dir is not None:  # ModelCheckpoint at every epoch's end, each kept (epoch=E-step=S.ckpt)
-        from lightning.pytorch.callbacks import ModelCheckpoint
-
-        every_epoch = ModelCheckpoint(dirpath=checkpoint_dir, save_top_k=-1, every_n_epochs=1,
-                                      save_on_train_epoch_end=True)
-        extra["callbacks"] = [*extra.get("callbacks", []), every_epoch]
-        extra["enable_checkpointing"] = True
-    if fp16_scaler:
-        from models import fp16_with_scaler
-
-        extra["plugins"] = [fp16_with_scaler()]
-    if max_epochs is not None:
-        extra["max_epochs"] = max_epochs
+def _fit(model: str, strategy: Any, trainer: dict[str, Any] | None, **options: Any) -> dict[str, Any]:
+    """`models.fit` with ``strategy`` on ``DEVICES`` processes per node and ``NUM_NODES`` nodes: its result."""
     if NUM_NODES > 1:
-        extra["num_nodes"] = NUM_NODES
-    module, logger = fit(model, strategy, devices=DEVICES, max_steps=max_steps, batch_size=batch_size,
-                         ckpt_path=ckpt_path, save_to=save_to, seed=7 + GLOBAL_RANK if seed_per_rank else 7, **extra)
-    used = module.trainer.strategy
-    scaler = getattr(module.trainer.precision_plugin, "scaler", None)
-    from torch.distributed.tensor import DTensor
-
-    # blocks sharded over the replicas (data_parallel_mode="fsdp") gathered whole, on every replica alike (a collective)
-    state = {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone()
-             for k, v in module.state_dict().items()}
-    return {"state": state, "history": logger.history,
-            "local_numel": {name: (p.to_local() if isinstance(p, DTensor) else p).numel()
-                            for name, p in module.named_parameters()},
-            "callback_metrics": {k: float(v) for k, v in module.trainer.callback_metrics.items()},
-            "scale": scaler.get_scale() if scaler is not None else None,
-            "grads": recorder.grads if recorder is not None else None,
-            "batches": batches.batches if batches is not None else None,
-            "batch_end_outputs": getattr(module, "batch_end_outputs", None),
-            "weight_dtypes": dtypes.dtypes if dtypes is not None else None,
-            "samples": getattr(module, "samples", None),
-            "global_rank": module.trainer.global_rank,
-            "environment": type(getattr(used, "cluster_environment", None)).__name__,
-            # the data-parallel layout as the strategy states it (None where it has no such attribute)
-            "layout": {name: getattr(used, name, None) for name in ("stage", "replica", "num_stages", "num_replicas")}}
+        options["num_nodes"] = NUM_NODES
+    return fit(model, strategy, devices=DEVICES, **options, **(trainer or {})).result
 
 
 def meta_memory(model: str = "wide", **strategy: Any) -> dict[str, Any]:
@@ -138,7 +84,7 @@ def meta_memory(model: str = "wide", **strategy: Any) -> dict[str, Any]:
     Path("/proc/self/clear_refs").write_text("5")  # reset the peak to the present
     before = resident_kib("VmRSS:") * 1024
     with trainer.init_module(empty_init=True):
-        module = MODELS[model]()
+        module = MODELS[model].build()
     whole = sum(p.numel() * p.element_size() for p in module.parameters())
     trainer.fit(module, make_data(model))
     local = [p.to_local() if isinstance(p, DTensor) else p for p in module.parameters()]
@@ -148,9 +94,9 @@ def meta_memory(model: str = "wide", **strategy: Any) -> dict[str, Any]:
 
 def fit_then_validate(model: str, timeout: float = 60, **strategy: Any) -> dict[str, Any]:
     """Fit, then ``trainer.validate`` the same module (a later run on it); return what validate returned."""
-    from models import fit, make_data
+    from models import make_data
 
-    module, _ = fit(model, PipelineParallelStrategy(transfer_timeout=timeout, **strategy), devices=DEVICES)
+    module = fit(model, PipelineParallelStrategy(transfer_timeout=timeout, **strategy), devices=DEVICES).module
     return {"validate": module.trainer.validate(module, make_data(model, seed=99), verbose=False)}
 
 
@@ -161,7 +107,7 @@ def fit_twice(model: str, timeout: float = 60, **strategy: Any) -> dict[str, Any
     from models import RecordingLogger, make_data
     from torch.distributed.tensor import DTensor
 
-    module, _ = fit(model, PipelineParallelStrategy(transfer_timeout=timeout, **strategy), devices=DEVICES)
+    module = fit(model, PipelineParallelStrategy(transfer_timeout=timeout, **strategy), devices=DEVICES).module
     trainer = L.Trainer(accelerator="cpu", devices=DEVICES, strategy=PipelineParallelStrategy(transfer_timeout=timeout,
                                                                                           **strategy),
                         max_steps=2, logger=RecordingLogger(), enable_checkpointing=False, enable_progress_bar=False,
@@ -254,8 +200,8 @@ def monitored(model: str, schedule: str, microbatches: int, log_dir: str | None,
         logger=TensorBoardLogger(log_dir, name="tb") if log_dir else False, callbacks=[monitor, HeldSends()],
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
     )
-    module = MODELS[model]()
-    trainer.fit(module, make_data("tied" if model == "tied" else "mlp", batch_size=8))
+    module = MODELS[model].build()
+    trainer.fit(module, make_data(model))
     optimizer = trainer.optimizers[0]
     return {"history": monitor.history, "held_sends": held,
             "param_bytes": {name: p.numel() * p.element_size() for name, p in module.named_parameters()},
@@ -292,13 +238,6 @@ def save_by_hand_after_fit(save_to: str, **strategy: Any) -> dict[str, Any]:
     finally:
         dist.gather_object, dcp.save = gather, save
     return {**result, "used": used}
-
-
-def lifecycle(timeout: float = 60, **strategy: Any) -> dict[str, Any]:
-    import models
-
-    return models.lifecycle(PipelineParallelStrategy(transfer_timeout=timeout, **strategy), devices=WORLD_SIZE,
-                            num_sanity_val_steps=2)
 
 
 def with_callbacks(dirpath: str, timeout: float = 60, **strategy: Any) -> dict[str, Any]:
@@ -419,17 +358,6 @@ def payload_wait_timing(delay: float) -> list[tuple[str, str, float]]:
     return [(str(e.action), e.category, e.end - e.start) for e in events]
 
 
-def train_recording_steps(model: str, trainer: dict[str, Any] | None = None, **kwargs: Any) -> dict[str, Any]:
-    """`train`, also returning what every optimizer step on this stage applied: the gradients (after clipping) and
-    the weights they were computed at."""
-    from models import AppliedGradientRecorder
-
-    recorder = AppliedGradientRecorder()
-    extra = dict(trainer or {})
-    extra["callbacks"] = [*extra.get("callbacks", []), recorder]
-    return {**train(model, trainer=extra, **kwargs), "grads": recorder.grads, "weights": recorder.weights}
-
-
 def ignore_sigterm_forever(pid_dir: str) -> None:
     """Ignore SIGTERM, start a child that does too, write both pids to ``pid_dir``, then sleep until killed."""
     import subprocess
@@ -445,23 +373,6 @@ def ignore_sigterm_forever(pid_dir: str) -> None:
     path.with_suffix(".tmp").rename(path)  # whole or absent for a reader
     while True:
         time.sleep(3600)
-
-
-def train_real(model: str, timeout: float = 60, dirpath: str | None = None, **strategy: Any) -> dict[str, Any]:
-    """Train a model of real_models.py pipelined, as its ``SPECS`` entry says; what its test compares."""
-    import real_models
-
-    if "microbatch_weight" in strategy:  # named: a function cannot travel in the job's JSON
-        strategy["microbatch_weight"] = getattr(real_models, strategy["microbatch_weight"])
-    return real_models.run(model, PipelineParallelStrategy(transfer_timeout=timeout, **strategy), devices=WORLD_SIZE,
-                           dirpath=dirpath)
-
-
-def train_real_ddp(model: str) -> dict[str, Any]:
-    """A model of real_models.py under Lightning's own DDP on every process of the job: the data-parallel reference."""
-    import real_models
-
-    return real_models.run(model, "ddp", devices=WORLD_SIZE)
 
 
 def result_exchange(steps: int, host_group: bool = False) -> list[dict[str, Any]]:
@@ -572,28 +483,6 @@ def sigterm_during_fit(model: str, step: int, **strategy: Any) -> dict[str, Any]
 
 
 # ------------------------------------------------------------------------------------------------ checkpoints
-
-
-def _blocks_mlp(blocks: int, strict_loading: bool = True) -> Any:
-    """The MLP with ``blocks`` alike 16-wide linear blocks: checkpoints of another depth match it in every shape and
-    differ in their blocks' count only."""
-    import torch.nn as nn
-    from models import MLPClassifier
-
-    module = MLPClassifier()
-    module.layers = nn.Sequential(*(nn.Linear(16, 16) for _ in range(blocks)))
-    module.strict_loading = strict_loading
-    return module
-
-
-def _register_block_models() -> None:
-    import models
-
-    models.MODELS.update({"mlp_blocks4": lambda: _blocks_mlp(4), "mlp_blocks6": lambda: _blocks_mlp(6),
-                          "mlp_blocks4_lenient": lambda: _blocks_mlp(4, strict_loading=False)})
-
-
-_register_block_models()
 
 
 def die_while_saving_sharded(dirpath: str, rank_to_kill: int, at_save: int, max_epochs: int = 3,

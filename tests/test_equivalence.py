@@ -1,9 +1,10 @@
 """Multi-process tier: pipelined training on gloo equals single-device Lightning training (fp32, tight tolerance).
 
-What is compared, and why. At every optimizer step, the gradients handed to the optimizer (after clipping) against
-those one device computes at the same weights on the same batch, each element within 1e-5 of its tensor's largest
-magnitude; every logged value against a single-device run; and the weights after training, element-wise, for models
-trained with SGD. Not the weights of models trained with Adam or AdamW, nor their gradients against a free-running
+What is compared, and why (``support.assert_like``). At every optimizer step, the gradients handed to the optimizer
+(after clipping) against those one device computes at the same weights on the same batch, each element within 1e-5 of
+its tensor's largest magnitude; every logged value against a single-device run, and what every rank sees after fit
+(its callback metrics); and the weights after training, element-wise, for models not trained with Adam or AdamW (SGD
+here). Not the weights of models trained with Adam or AdamW, nor their gradients against a free-running
 single-device run: Adam divides each gradient by its running magnitude, so the fp32 noise of a gradient that is
 (nearly) zero, which differs with the summation order of micro-batches, becomes a full-size update of random sign. Two
 single-device runs that merely sum in a different order drift apart there too, and so do the gradients computed at the
@@ -75,8 +76,6 @@ def test_gradient_clipping_by_global_norm_and_value() -> None:
 
 def test_mixed_precision() -> None:
     """bf16-mixed, and fp16 with a gradient scaler where one stage sees inf: all stages skip and back off."""
-    from models import fp16_with_scaler
-
     runs = [{"scenario": "train", "kwargs": {"model": "mlp", "schedule": "1f1b", "microbatches": 2,
                                              "trainer": {"precision": "bf16-mixed"}}},
             {"scenario": "train", "kwargs": {"model": "inf_on_one_stage", "schedule": "gpipe", "microbatches": 2,
@@ -91,14 +90,14 @@ def test_mixed_precision() -> None:
     for (_, got), (_, want) in zip(history, bf16["history"], strict=True):
         assert abs(got["train_loss"] - want["train_loss"]) < 2e-3
 
-    module, logger = fit("inf_on_one_stage", plugins=[fp16_with_scaler()])
-    expected_scale = module.trainer.precision_plugin.scaler.get_scale()  # type: ignore[attr-defined]
+    fp16 = fit("inf_on_one_stage", fp16_scaler=True).result
+    expected_scale = fp16["scale"]
     assert expected_scale == 2.0**9  # the single-device run skipped step 1 and halved the scale
     assert [rank.results[1]["scale"] for rank in ranks] == [expected_scale, expected_scale]
     full, history = assemble(ranks, 1)
-    for name, value in module.state_dict().items():
+    for name, value in fp16["state"].items():
         torch.testing.assert_close(full[name], value, rtol=0, atol=2e-3)
-    for (_, got), (_, want) in zip(history, logger.history, strict=True):
+    for (_, got), (_, want) in zip(history, fp16["history"], strict=True):
         assert abs(got["train_loss"] - want["train_loss"]) < 2e-3
 
 

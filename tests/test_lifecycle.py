@@ -4,11 +4,21 @@ from __future__ import annotations
 
 from pathlib import Path
 
-import models
 import pytest
 import torch
 from _launch import launch
-from support import ATOL, RTOL, assemble, assert_matches, assert_same_metrics, check_lifecycle, prefixed, summarized
+from models import fit, make_data
+from support import (
+    Result,
+    assemble,
+    assert_like,
+    assert_params_match,
+    check_all,
+    check_lifecycle,
+    pipelined,
+    reference,
+    summarized,
+)
 
 pytestmark = pytest.mark.multiprocess
 
@@ -24,35 +34,25 @@ def test_validation_test_predict_and_metrics_match_single_device(world_size: int
 def test_module_written_without_pipelines_in_mind_matches_single_device(world_size: int) -> None:
     """Shuffled epochs, metrics of every kind (macro average, a sum of metrics, list states), and the extra entries
     of training_step's dict as on_train_batch_end sees them: all as on one device, on every rank."""
-    module, logger = models.fit("everyday", max_steps=-1, max_epochs=3)
-    assert isinstance(module, models.Everyday)
-    expected = {"state": {k: v.detach().clone() for k, v in module.state_dict().items()}, "history": logger.history}
-    expected_metrics = {k: float(v) for k, v in module.trainer.callback_metrics.items()}
-    runs = [{"scenario": "train", "kwargs": {"model": "everyday", "max_steps": -1, "max_epochs": 3,
-                                             "schedule": s, "microbatches": m}}
+    want = reference("everyday", max_steps=-1, max_epochs=3)
+    assert want["batch_end_outputs"], "the reference kept no outputs of on_train_batch_end"
+    runs = [pipelined("everyday", max_steps=-1, max_epochs=3, schedule=s, microbatches=m)
             for s, m in [("1f1b", 4), ("gpipe", 3)]]
-    ranks = launch(world_size, runs, timeout=300)
-    for index, run in enumerate(runs):
-        label = f"{world_size} stages {run['kwargs']}"
-        full, history = assemble(ranks, index)
-        assert_matches(full, history, expected, label)
-        assert {k for _, m in history for k in m} >= {"train_acc_step", "train_acc_epoch", "train_mixed_step",
-                                                      "val_auroc", "val_seen"}, label
-        for rank in ranks:
-            result = rank.results[index]
-            assert_same_metrics(result["callback_metrics"], expected_metrics, label)
-            got_outputs = result["batch_end_outputs"]
-            assert len(got_outputs) == len(module.batch_end_outputs), label
-            for got, want in zip(got_outputs, module.batch_end_outputs, strict=True):
-                assert got[:2] == want[:2] and torch.equal(got[2], want[2]), (label, got, want)
+
+    def check(results: list[Result], label: str) -> None:
+        assert_like(results, want, label)
+        assert {k for _, m in results[0]["history"] for k in m} >= {
+            "train_acc_step", "train_acc_epoch", "train_mixed_step", "val_auroc", "val_seen"}, label
+
+    check_all(world_size, runs, [check] * len(runs), timeout=300)
 
 
 def test_buffers_outside_the_sequential_are_saved_from_the_stage_that_updates_them(tmp_path: Path) -> None:
     """A BatchNorm head runs only on the last stage; the full checkpoint must hold its running statistics, and a
     validate after fit must evaluate with them (its set-up must not overwrite them with the first stage's)."""
-    module, _ = models.fit("bn_head", max_steps=4)
-    validated, _ = models.fit("bn_head_validated", max_steps=4)
-    want = validated.trainer.validate(validated, models.make_data("bn_head_validated", seed=99), verbose=False)
+    state = fit("bn_head").result["state"]
+    validated = fit("bn_head_validated").module
+    want = validated.trainer.validate(validated, make_data("bn_head_validated", seed=99), verbose=False)
     path = str(tmp_path / "bn.ckpt")
     ranks = launch(2, [{"scenario": "train", "kwargs": {"model": "bn_head", "max_steps": 4, "schedule": "1f1b",
                                                          "microbatches": 1, "save_to": path}},
@@ -65,8 +65,7 @@ def test_buffers_outside_the_sequential_are_saved_from_the_stage_that_updates_th
             assert rank.results[index]["validate"][0]["val_loss"] == pytest.approx(want[0]["val_loss"], abs=1e-6)
     saved = torch.load(path, weights_only=True)["state_dict"]
     assert int(saved["norm.num_batches_tracked"]) == 4
-    for name, value in module.state_dict().items():
-        torch.testing.assert_close(saved[name], value, rtol=RTOL, atol=ATOL, msg=prefixed(name))
+    assert_params_match(saved, state, "the checkpoint of bn_head")
 
 
 def test_weights_held_by_every_stage_start_from_rank_zero() -> None:
@@ -84,7 +83,7 @@ def test_weights_held_by_every_stage_start_from_rank_zero() -> None:
 def test_model_summary_counts_the_whole_model() -> None:
     """The summary Lightning prints when fit starts: every layer's parameters, the totals and the size are the whole
     model's (a tied embedding and head counted once), as on one device; a line gives each stage's own count."""
-    want, _ = summarized(lambda **kwargs: models.fit("tied", max_steps=1, enable_model_summary=True, **kwargs))
+    want, _ = summarized(lambda **kwargs: fit("tied", max_steps=1, enable_model_summary=True, **kwargs))
     ranks = launch(2, [{"scenario": "model_summary", "kwargs": {"model": "tied"}}], timeout=150)
     got, messages = ranks[0].results[0]
     assert len(want) == 1 and got == want, (got, want)

@@ -205,7 +205,7 @@ def test_memory_per_stage_is_logged_tabulated_and_follows_the_schedule(tmp_path:
                    timeout=300)
     assert not ranks[0].errors and not ranks[1].errors, (ranks[0].errors, ranks[1].errors)
     block_bytes = [sum(p.numel() * p.element_size() for p in block.parameters())
-                   for block in MODELS["tied"]().blocks]  # type: ignore[union-attr]
+                   for block in MODELS["tied"].build().blocks]  # type: ignore[union-attr]
     peaks: dict[str, list[float]] = {}
     for index, name in enumerate(configs):
         history = ranks[0].results[index]["history"]

@@ -16,12 +16,13 @@ from pathlib import Path
 
 import pytest
 from _launch import launch
-from models import assert_same_outputs, step_outputs
+from models import step_outputs
 from support import (
     assemble,
     assert_matches,
     assert_params_close,
     assert_runs_as_scheduled,
+    assert_same_outputs,
     assert_trains_like,
     check_all,
     check_dead_peer_raises_timeout_on_the_other_rank,
@@ -29,12 +30,11 @@ from support import (
     check_user_error_reaches_the_other_stage,
     delayed_reference,
     epochs_run,
-    job,
+    like,
     pipelined,
     reference,
     schedule_for,
     single_device_state,
-    validated_and_predicted,
 )
 
 from lightning_pp.parallel.nccl_emulation import ENV_VAR
@@ -106,8 +106,8 @@ def test_validation_test_predict_and_metrics_match_single_device() -> None:
 
 
 def test_pytorch_transformer_encoder_evaluates_on_nested_tensors(tmp_path: Path) -> None:
-    run = job("torch_encoder", schedule="1f1b", microbatches=2, dirpath=str(tmp_path / "encoder"))
-    check_all(2, [run], [validated_and_predicted("torch_encoder")], timeout=180)
+    run = pipelined("torch_encoder", schedule="1f1b", microbatches=2, dirpath=str(tmp_path / "encoder"))
+    check_all(2, [run], [like("torch_encoder")], timeout=180)
 
 
 def test_full_checkpoint_gathers_on_the_object_group(tmp_path: Path) -> None:

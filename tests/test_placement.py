@@ -272,7 +272,7 @@ def test_real_jobs_hold_each_weight_where_it_is_used() -> None:
     """Hugging Face GPT-2 on 2 stages: the tied embedding/head on both, the position table on the first, the final
     norm on the last; the tied LM on 4 stages: the embedding on the first and last only (their own group sums its
     gradient); with ``outside_weights="everywhere"`` every stage holds everything."""
-    gpt2 = launch(2, [{"scenario": "train_real", "kwargs": {"model": "hf_gpt2", "schedule": "1f1b"}}], timeout=200)
+    gpt2 = launch(2, [{"scenario": "train", "kwargs": {"model": "hf_gpt2", "schedule": "1f1b"}}], timeout=200)
     first, last = (held_outside(rank.results[0], "model.transformer.h.") for rank in gpt2)
     assert any("wpe" in k for k in first) and not any("wpe" in k for k in last), (first, last)
     assert any("ln_f" in k for k in last) and not any("ln_f" in k for k in first), (first, last)

@@ -7,7 +7,8 @@ import lightning as L
 import pytest
 from _launch import launch
 from lightning.pytorch.callbacks import BasePredictionWriter, Callback, ModelCheckpoint, TQDMProgressBar
-from models import MLPClassifier, assert_same_outputs, step_outputs
+from models import MLPClassifier, step_outputs
+from support import assert_same_outputs
 
 from lightning_pp import PipelineMonitor
 from lightning_pp.model.results import outputs_read

@@ -23,7 +23,7 @@ import pytest
 import torch
 from _launch import RankResult, launch
 from models import TensorParallelMLP, fit
-from support import assemble, assert_matches
+from support import assemble, assert_like, assert_matches, assert_params_match, stage_results
 
 from lightning_pp.model.materialize import materialize
 
@@ -127,9 +127,8 @@ def job4(checkpoints: Path, job8: list[RankResult]) -> list[RankResult]:
 def test_pipeline_by_tensor_parallel_equals_model_parallel_strategy(
         references: dict[str, list[RankResult]], job4: list[RankResult]) -> None:
     expected = reference_of(references["tp"])
-    one_device = fit("tp_mlp", **OWN_LOADER)[0]  # ModelParallelStrategy(1, 2) equals one device
-    for name, value in one_device.state_dict().items():
-        torch.testing.assert_close(expected["state"][name], value, rtol=1e-5, atol=5e-6)
+    one_device = fit("tp_mlp", **OWN_LOADER).result  # ModelParallelStrategy(1, 2) equals one device
+    assert_params_match(expected["state"], one_device["state"], "ModelParallelStrategy(1, 2) against one device")
     runs = {1: "pp2 x tp2 1f1b", 2: "pp2 x tp2 zb_h1", 3: "pp2 x tp2 interleaved_1f1b", 11: "pp2 x tp2 dualpipev"}
     for index, label in runs.items():
         full, history = assemble(ok(job4, index), index)
@@ -139,9 +138,8 @@ def test_pipeline_by_tensor_parallel_equals_model_parallel_strategy(
 @pytest.mark.multiprocess
 @pytest.mark.timeout(600)
 def test_global_norm_clipping_counts_each_tensor_parallel_shard_once(job4: list[RankResult]) -> None:
-    module, logger = fit("tp_mlp", **OWN_LOADER, **CLIPPED)
     full, history = assemble(ok(job4, 4), 4)
-    assert_matches(full, history, {"state": module.state_dict(), "history": logger.history}, "clipped pp2 x tp2")
+    assert_matches(full, history, fit("tp_mlp", **OWN_LOADER, **CLIPPED).result, "clipped pp2 x tp2")
 
 
 @pytest.mark.multiprocess
@@ -212,15 +210,9 @@ def test_blocks_handing_each_other_dtensors_train_as_one_device(job4: list[RankR
     """A DTensor a block hands on crosses the stage boundary as each tensor-parallel rank's local part, to the same
     rank of the next stage, rebuilt there with its placements (gradients back alike); in an eager pass through the
     blocks at the end of each epoch too, where every rank gets one device's output."""
-    module, logger = fit("samples_dtensors", **OWN_LOADER)
-    full, history = assemble(ok(job4, 7), 7)
-    assert_matches(full, history, {"state": module.state_dict(), "history": logger.history}, "DTensors across stages")
-    assert module.samples
-    for rank in ok(job4, 7):
-        got = rank.results[7]["samples"]
-        assert len(got) == len(module.samples)
-        for sample, expected in zip(got, module.samples, strict=True):
-            torch.testing.assert_close(sample, expected, rtol=1e-5, atol=5e-6)
+    want = fit("samples_dtensors", **OWN_LOADER).result
+    assert want["samples"]
+    assert_like(stage_results(ok(job4, 7), 7), want, "DTensors across stages", params=True)
 
 
 @pytest.mark.multiprocess
@@ -260,9 +252,8 @@ def test_hugging_face_llama_split_by_tensor_parallelism_trains_as_one_device(job
     """An unmodified ``LlamaForCausalLM`` (grouped-query attention: 4 query and 2 key-value heads, 2 and 1 per rank;
     rotary embeddings handed to every layer), each layer parallelized in ``configure_model``: 2 stages x 2
     tensor-parallel ranks equal one device running it unsplit."""
-    module, logger = fit("llama_tp", **OWN_LOADER)
     full, history = assemble(ok(job4, 9), 9)
-    assert_matches(full, history, {"state": module.state_dict(), "history": logger.history}, "Llama pp2 x tp2")
+    assert_matches(full, history, fit("llama_tp", **OWN_LOADER).result, "Llama pp2 x tp2")
 
 
 @pytest.mark.multiprocess
@@ -271,8 +262,7 @@ def test_sequence_parallel_blocks_train_as_one_device(job4: list[RankResult], jo
     """Blocks whose norm runs on each rank's part of the sequence (its replicated weight gets partial-sum gradients,
     summed over the tensor-parallel ranks before the replicas' average and the optimizer): 2 stages x 2
     tensor-parallel ranks, and x 2 replicas loading the same batches, equal one device."""
-    module, logger = fit("sp_mlp", **OWN_LOADER)
-    expected = {"state": module.state_dict(), "history": logger.history}
+    expected = fit("sp_mlp", **OWN_LOADER).result
     for ranks, index, label in ((job4, 10, "pp2 x tp2"), (job8, 6, "pp2 x dp2 x tp2")):
         full, history = assemble(ok(ranks, index), index)
         assert_matches(full, history, expected, f"sequence parallel, {label}")

@@ -51,15 +51,15 @@ def _forcing_a_switch(real: Any) -> Any:
 
 def auto_recording_schedules(model: str, slow_loop_s: float = 0.0, force_switch: bool = False,
                              **kwargs: Any) -> dict[str, Any]:
-    """`scenarios.train_recording_steps` with ``schedule="auto"``, also returning each step's schedule and auto's
-    choice before and after its closed loop."""
+    """`scenarios.train` with ``schedule="auto"`` recording every optimizer step, also returning each step's schedule
+    and auto's choice before and after its closed loop."""
     recorder = ScheduleRecorder()
     callbacks = [recorder] + ([SlowLoop(slow_loop_s)] if slow_loop_s else [])
     real = closed_loop.rechoose
     if force_switch:
         closed_loop.rechoose = _forcing_a_switch(real)
     try:
-        result = scenarios.train_recording_steps(model, schedule="auto", trainer={"callbacks": callbacks}, **kwargs)
+        result = scenarios.train(model, schedule="auto", trainer={"callbacks": callbacks}, record_steps=True, **kwargs)
     finally:
         closed_loop.rechoose = real
     return {**result, "schedules": recorder.steps}
