@@ -44,7 +44,7 @@ def _forcing_a_switch(real: Any) -> Any:
         other = {"1f1b": "gpipe", "gpipe": "1f1b", "zb_h1": "1f1b"}[current.schedule]
         chosen = dataclasses.replace(current, schedule=other, microbatches=current.microbatches - 1)
         return dataclasses.replace(decided, missed=True, chosen=chosen, switch=True,
-                                   message=f"forced: switching to {other} m={chosen.microbatches}")
+                                   message=f"{decided.message}\nforced: switching to {other} m={chosen.microbatches}")
 
     return rechoose
 
