@@ -12,76 +12,25 @@ from typing import Any
 import lightning as L
 import torch
 from lightning.pytorch.callbacks import BasePredictionWriter, EMAWeightAveraging, ModelCheckpoint, ThroughputMonitor
-from models import MLPClassifier, RecordingLogger, make_data
-from torch import nn
+from models import RecordingLogger, ValidatedMLP, fit, make_data
 
 # read at import: Lightning's environment deletes WORLD_SIZE at teardown (a launch's first run imports this module)
 WORLD_SIZE = int(os.environ.get("WORLD_SIZE", "1"))
 
 
-class ValidatedMLP(MLPClassifier):
-    """`MLPClassifier` with a validation step."""
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        self.log("val_loss", nn.functional.cross_entropy(self(x), y))
-
-
-class BlocksOnly(ValidatedMLP):
-    """Every weight inside the blocks, all of one shape (nothing outside them to place): the last stage's blocks are
-    the ones a checkpoint gathers from another rank, and an averaged copy of the whole module lines up with any
-    stage's weights without an error."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        del self.inp, self.head
-        self.layers = nn.Sequential(*(module for _ in range(4) for module in (nn.Linear(16, 16), nn.Tanh())))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return self.layers(nn.functional.pad(x, (0, 16 - x.shape[1])))[:, :5]  # 10 features in, 5 classes out
-
-
-class NormedBlocks(MLPClassifier):
-    """A BatchNorm and an InstanceNorm keeping running statistics inside the blocks, a GroupNorm beside them."""
-
-    def __init__(self) -> None:
-        super().__init__()
-        self.layers = nn.Sequential(
-            nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Tanh()),
-            nn.Sequential(nn.Linear(16, 16), nn.GroupNorm(4, 16), nn.Tanh()),
-            nn.Sequential(nn.Linear(16, 16), nn.Unflatten(1, (4, 4)), nn.InstanceNorm1d(4, track_running_stats=True),
-                          nn.Flatten()),
-            nn.Sequential(nn.Linear(16, 16), nn.Tanh()))
-
-
-def _module(name: str) -> L.LightningModule:
-    if name == "hf_gpt2":
-        from real_models import HFGPT2
-
-        return HFGPT2()
-    return {"blocks_only": BlocksOnly, "mlp": ValidatedMLP, "normed": NormedBlocks}[name]()
-
-
 def averaged(model: str, dirpath: str, strategy: Any = "auto", devices: int = 1, ckpt_path: str | None = None,
              max_steps: int = 4) -> dict[str, Any]:
-    """Fit ``model`` with ``EMAWeightAveraging`` (decay 0.5: every step shows) and a ``ModelCheckpoint`` every two
-    steps into ``dirpath`` (``step=N.ckpt``), validating every two steps (the averaged weights swapped in), then save
-    ``after_fit.ckpt`` by hand and validate again; return the live weights, the logged values and the validation."""
-    L.seed_everything(7, verbose=False)
-    module = _module(model)
-    checkpoint = ModelCheckpoint(dirpath=dirpath, filename="{step}", every_n_train_steps=2, save_top_k=-1)
-    logger = RecordingLogger()
+    """`models.fit` of ``model`` with ``EMAWeightAveraging`` (decay 0.5: every step shows) and a ``ModelCheckpoint``
+    every two steps into ``dirpath`` (``step=N.ckpt``), validating every two steps (the averaged weights swapped in)
+    where the model validates, then ``after_fit.ckpt`` saved by hand and, where it validates, ``validate``; each
+    replica loading every batch (no distributed sampler)."""
     validated = model != "hf_gpt2"
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=max_steps, logger=logger,
-                        callbacks=[EMAWeightAveraging(decay=0.5), checkpoint], enable_progress_bar=False,
-                        enable_model_summary=False, num_sanity_val_steps=0, use_distributed_sampler=False,
-                        log_every_n_steps=1, val_check_interval=2 if validated else None,
-                        limit_val_batches=None if validated else 0)
-    data, val = (make_data("mlp"), make_data("mlp", seed=99)) if validated else (None, None)
-    trainer.fit(module, data, val, ckpt_path=ckpt_path)
-    trainer.save_checkpoint(str(Path(dirpath) / "after_fit.ckpt"))
-    return {"state": {k: v.detach().clone() for k, v in module.state_dict().items()}, "history": logger.history,
-            "validate": trainer.validate(module, val, verbose=False) if validated else None}
+    checkpoint = ModelCheckpoint(dirpath=dirpath, filename="{step}", every_n_train_steps=2, save_top_k=-1)
+    return fit(model, strategy, devices, max_steps=max_steps, ckpt_path=ckpt_path,
+               callbacks=[EMAWeightAveraging(decay=0.5), checkpoint], enable_checkpointing=True,
+               save_to=str(Path(dirpath) / "after_fit.ckpt"), after_fit=("validate",) if validated else (),
+               use_distributed_sampler=False, val_check_interval=2 if validated else None,
+               limit_val_batches=None if validated else 0).result
 
 
 def pipelined_averaged(runs: list[dict[str, Any]], **strategy: Any) -> list[dict[str, Any]]:
@@ -93,30 +42,20 @@ def pipelined_averaged(runs: list[dict[str, Any]], **strategy: Any) -> list[dict
 
 
 def normed_warnings(microbatches: int) -> list[str]:
-    """The warnings fitting `NormedBlocks` raises on this rank (one step)."""
+    """The warnings fitting `models.NormedBlocks` raises on this rank (one step)."""
     from lightning_pp import PipelineParallelStrategy
 
-    L.seed_everything(7, verbose=False)
-    trainer = L.Trainer(accelerator="cpu", devices=WORLD_SIZE, max_steps=1, logger=False, enable_progress_bar=False,
-                        enable_checkpointing=False, enable_model_summary=False,
-                        strategy=PipelineParallelStrategy(transfer_timeout=60, microbatches=microbatches))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        trainer.fit(NormedBlocks(), make_data("mlp"))
+        fit("normed_blocks", PipelineParallelStrategy(transfer_timeout=60, microbatches=microbatches),
+            devices=WORLD_SIZE, max_steps=1)
     return [str(w.message) for w in caught if "batch statistics" in str(w.message)]
 
 
 def throughput(strategy: Any = "auto", devices: int = 1) -> dict[str, Any]:
-    """`MLPClassifier` for 4 steps with ``ThroughputMonitor``: the logged keys and the weights."""
-    L.seed_everything(7, verbose=False)
-    logger = RecordingLogger()
-    trainer = L.Trainer(accelerator="cpu", devices=devices, strategy=strategy, max_steps=4, logger=logger,
-                        log_every_n_steps=1, callbacks=[ThroughputMonitor(batch_size_fn=len, window_size=2)],
-                        enable_progress_bar=False, enable_checkpointing=False, enable_model_summary=False)
-    module = MLPClassifier()
-    trainer.fit(module, make_data("mlp"))
-    return {"keys": sorted({k for _, metrics in logger.history for k in metrics}),
-            "state": {k: v.detach().clone() for k, v in module.state_dict().items()}}
+    """`models.MLPClassifier` for 4 steps with ``ThroughputMonitor``: the logged keys and the weights."""
+    result = fit("mlp", strategy, devices, callbacks=[ThroughputMonitor(batch_size_fn=len, window_size=2)]).result
+    return {"keys": sorted({k for _, metrics in result["history"] for k in metrics}), "state": result["state"]}
 
 
 def pipelined_throughput(**strategy: Any) -> dict[str, Any]:

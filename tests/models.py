@@ -195,6 +195,45 @@ class MLPClassifier(L.LightningModule):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
+class ValidationLoss:
+    """Mixed into a classifier: its validation step logs ``val_loss``, the cross entropy of ``self(x)``."""
+
+    def validation_step(self, batch: Any, batch_idx: int) -> None:
+        x, y = batch
+        self.log("val_loss", nn.functional.cross_entropy(self(x), y))  # type: ignore[attr-defined, operator]
+
+
+class ValidatedMLP(ValidationLoss, MLPClassifier):
+    """`MLPClassifier` with a validation step."""
+
+
+class BlocksOnly(ValidatedMLP):
+    """Every weight inside the blocks, all of one shape (nothing outside them to place): the last stage's blocks are
+    the ones a checkpoint gathers from another rank, and an averaged copy of the whole module lines up with any
+    stage's weights without an error."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        del self.inp, self.head
+        self.layers = nn.Sequential(*(module for _ in range(4) for module in (nn.Linear(16, 16), nn.Tanh())))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.layers(nn.functional.pad(x, (0, 16 - x.shape[1])))[:, :5]  # 10 features in, 5 classes out
+
+
+class NormedBlocks(MLPClassifier):
+    """A BatchNorm and an InstanceNorm keeping running statistics inside the blocks, a GroupNorm beside them."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.layers = nn.Sequential(
+            nn.Sequential(nn.Linear(16, 16), nn.BatchNorm1d(16), nn.Tanh()),
+            nn.Sequential(nn.Linear(16, 16), nn.GroupNorm(4, 16), nn.Tanh()),
+            nn.Sequential(nn.Linear(16, 16), nn.Unflatten(1, (4, 4)), nn.InstanceNorm1d(4, track_running_stats=True),
+                          nn.Flatten()),
+            nn.Sequential(nn.Linear(16, 16), nn.Tanh()))
+
+
 class MLPClassifierSGD(MLPClassifier):
     """The MLP with SGD (momentum, weight decay, StepLR): updates proportional to gradients, so fp32 summation-order
     noise stays at noise level in the parameters and they can be compared element-wise after training."""
@@ -205,7 +244,7 @@ class MLPClassifierSGD(MLPClassifier):
         return {"optimizer": optimizer, "lr_scheduler": {"scheduler": scheduler, "interval": "step"}}
 
 
-class FreezingMLPSGD(MLPClassifierSGD):
+class FreezingMLPSGD(ValidationLoss, MLPClassifierSGD):
     """`MLPClassifierSGD` that freezes its first layer and its head once step 3 has run, before its batch-end hooks
     and checkpoints (``BackboneFinetuning``'s pattern, reversed; also when a run resumes after step 3): under
     ``pipedream_2bw`` the next step still applies batch 3's gradient to them."""
@@ -220,10 +259,6 @@ class FreezingMLPSGD(MLPClassifierSGD):
 
     def on_train_batch_end(self, outputs: Any, batch: Any, batch_idx: int) -> None:
         self._freeze_after_step_3()
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        self.log("val_loss", nn.functional.cross_entropy(self(x), y))
 
 
 class TiedLM(L.LightningModule):
@@ -451,13 +486,9 @@ class BatchNormHead(MLPClassifier):
         return self.head(self.norm(self.layers(torch.relu(self.inp(x)))))
 
 
-class BatchNormHeadValidated(BatchNormHead):
+class BatchNormHeadValidated(ValidationLoss, BatchNormHead):
     """`BatchNormHead` with a validation step: evaluation after fit must use the running statistics the last stage
     kept current (validate's set-up must not replace them with another stage's)."""
-
-    def validation_step(self, batch: Any, batch_idx: int) -> None:
-        x, y = batch
-        self.log("val_loss", nn.functional.cross_entropy(self(x), y))
 
 
 class FrozenFront(MLPClassifier):
@@ -1102,6 +1133,7 @@ class Model:
     # the training loader `fit` hands the module (called with batch_size, batches and seed: see `make_data`); None: the
     # module's own loaders
     data: Callable[..., DataLoader] | None = features
+    val_data: Callable[..., DataLoader] | None = None  # the validation loader `fit` hands it (None: the module's own)
     max_steps: int = 4
     max_epochs: int | None = None
     monitor: str | None = None  # validated every epoch; a ModelCheckpoint keeps the best two by this value (min)
@@ -1126,7 +1158,12 @@ def _gpt_data(**_: Any) -> DataLoader:
     return DataLoader(example.CharDataset(example.make_corpus(4000), 32), batch_size=16, shuffle=False)
 
 
-def _gpt2_finetuned() -> list[L.Callback]:
+def _other_features(batch_size: int = 8, **_: Any) -> DataLoader:
+    """`features` of another seed (99): a classifier's validation data."""
+    return features(batch_size=batch_size, seed=99)
+
+
+def _backbone_finetuning() -> list[L.Callback]:
     return [BackboneFinetuning(unfreeze_backbone_at_epoch=1, verbose=False)]
 
 
@@ -1145,7 +1182,7 @@ REAL_MODELS: dict[str, Model] = {
     "denoiser_identity": own(lambda: real.Denoiser(identity=True, signal=0.0)),
     "denoiser": own(real.Denoiser),
     "val_ppl": own(real.PerplexityLM, max_steps=-1, max_epochs=3, monitor="val_ppl"),
-    "finetune": own(real.FinetuneLM, max_steps=-1, max_epochs=3, callbacks=_gpt2_finetuned),
+    "finetune": own(real.FinetuneLM, max_steps=-1, max_epochs=3, callbacks=_backbone_finetuning),
     "sliced": own(real.SlicedDecoder),
     "inplace": own(real.InplaceFeatures),
     "torch_encoder": own(real.TorchEncoderClassifier, max_steps=-1, max_epochs=3, monitor="val_ppl",
@@ -1198,6 +1235,9 @@ MODELS: dict[str, Model] = {
     "skips_across_stages": Model(SkipsAcrossStages),
     "weight_versions": Model(WeightVersions),
     "gpt": Model(_gpt, _gpt_data),
+    "validated_mlp": Model(ValidatedMLP, val_data=_other_features),
+    "blocks_only": Model(BlocksOnly, val_data=_other_features),
+    "normed_blocks": Model(NormedBlocks),
     "mlp_blocks4": Model(lambda: BlocksMLP(4)),
     "mlp_blocks6": Model(lambda: BlocksMLP(6)),
     "mlp_blocks4_lenient": Model(lambda: BlocksMLP(4, strict_loading=False)),
@@ -1309,7 +1349,8 @@ def fit(model: str, strategy: Any = "auto", devices: int = 1, *, max_steps: int 
             assert isinstance(module, real.Denoiser), model
             module.replay = list(replay)
         data = entry.data(batch_size=batch_size) if entry.data is not None else None
-        trainer.fit(module, data, ckpt_path=ckpt_path)
+        val = entry.val_data(batch_size=batch_size) if entry.val_data is not None else None
+        trainer.fit(module, data, val, ckpt_path=ckpt_path)
         result: dict[str, Any] = {
             "callback_metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},  # before any later loop
             **_decisions(trainer),
@@ -1319,7 +1360,10 @@ def fit(model: str, strategy: Any = "auto", devices: int = 1, *, max_steps: int 
         if save_to is not None:
             trainer.save_checkpoint(save_to)
         for loop in entry.after_fit if after_fit is None else after_fit:
-            result[loop] = getattr(trainer, loop)(module, **({} if loop == "predict" else {"verbose": False}))
+            if loop == "predict":
+                result[loop] = trainer.predict(module)
+            else:
+                result[loop] = getattr(trainer, loop)(module, val if loop == "validate" else None, verbose=False)
     used = trainer.strategy
     scaler = getattr(trainer.precision_plugin, "scaler", None)
     result.update({
