@@ -1,18 +1,23 @@
 """Run a benchmark's worker in several fresh processes on this machine, one CPU thread each, as torchrun would: the
-environment Lightning's cluster detection reads, a free port, every process killed on the way out."""
+environment Lightning's cluster detection reads, a rendezvous store hosted by the launching process, every process
+killed on the way out. The launch itself is the test suite's (``tests/_launch.py``, `launch_processes`): one copy."""
 
 from __future__ import annotations
 
 import json
 import os
-import socket
-import subprocess
 import sys
 import tempfile
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-__all__ = ["answer_as_worker", "batch_clock", "mse_module", "run_workers"]
+if TYPE_CHECKING:
+    from _launch import ProcessesResult
+
+TESTS = Path(__file__).resolve().parents[1] / "tests"
+
+__all__ = ["answer_as_worker", "batch_clock", "launch_processes", "mse_module", "run_workers"]
 
 
 def mse_module(blocks: Any) -> Any:
@@ -55,31 +60,36 @@ def batch_clock() -> Any:
     return Clock()
 
 
-def run_workers(script: str, processes: int, spec: dict[str, Any], timeout: float = 3600) -> Any:
-    """Start ``python script --worker <json spec>`` in ``processes`` processes; ``spec["out"]`` names the file rank 0
-    writes its JSON result to. Returns that result.
+def launch_processes(command: list[str], processes: int, timeout: float, env: Mapping[str, str] | None = None
+                     ) -> ProcessesResult:
+    """``command`` in ``processes`` fresh processes as torchrun would start them: ``tests/_launch.py``'s
+    `launch_processes` (the store hosted here, no port to race for; every process reaped however this ends)."""
+    if str(TESTS) not in sys.path:
+        sys.path.append(str(TESTS))
+    import _launch
+
+    return _launch.launch_processes(command, processes, timeout, env=env)
+
+
+def run_workers(script: str, processes: int, spec: dict[str, Any], timeout: float = 3600, *,
+                env: Mapping[str, str] | None = None) -> Any:
+    """Start ``python script --worker <json spec>`` in ``processes`` processes (with ``env`` on top of this process's
+    environment); ``spec["out"]`` names the file rank 0 writes its JSON result to (`answer_as_worker`). Returns that
+    result.
 
     Raises:
-        SystemExit: a process failed (its exit codes in the message).
+        SystemExit: a process failed or the job ran past ``timeout`` s (the exit codes and each process's last output
+            in the message).
     """
-    with tempfile.TemporaryDirectory() as tmp, socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
+    with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp) / "result.json"
-        arguments = json.dumps({**spec, "out": str(out)})
-        procs = []
-        for rank in range(processes):
-            env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(processes),
-                       RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", OMP_NUM_THREADS="1")
-            procs.append(subprocess.Popen([sys.executable, script, "--worker", arguments], env=env))
-        sock.close()
-        try:
-            codes = [proc.wait(timeout=timeout) for proc in procs]
-        finally:
-            for proc in procs:
-                proc.kill()
-        if any(codes):
-            raise SystemExit(f"{Path(script).name} {spec} failed: exit codes {codes}")
+        job = launch_processes([sys.executable, script, "--worker", json.dumps({**spec, "out": str(out)})], processes,
+                               timeout, env)
+        if job.timed_out or any(job.returncodes):
+            what = f"did not finish within {timeout:g} s" if job.timed_out else "failed"
+            outputs = "".join(f"\n--- rank {rank} (exit {code}) ---\n{output[-3000:]}"
+                              for rank, (code, output) in enumerate(zip(job.returncodes, job.outputs, strict=True)))
+            raise SystemExit(f"{Path(script).name} {spec} {what}: exit codes {job.returncodes}{outputs}")
         return json.loads(out.read_text())
 
 

@@ -19,16 +19,13 @@ which for ``"time"`` holds the measurement. The table is printed as markdown and
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import socket
 import statistics
-import subprocess
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
+
+from _workers import answer_as_worker, run_workers  # beside this script
 
 RESULTS = Path(__file__).resolve().parent / "results" / "balance.md"
 BALANCES: list[str | list[int]] = ["uniform", "params", [1, 7], "time"]
@@ -88,45 +85,11 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
                         callbacks=[clock])
     trainer.fit(SlowFirst(), DataLoader(data, batch_size=16))
-    assert strategy._partition is not None
+    view = strategy.telemetry.view  # the split's stage view (its blocks per stage: ranges), set up by the fit
+    assert view is not None
     windows = [b - a for a, b in zip(clock.marks, clock.marks[1:], strict=False)][spec["warmup"]:]
-    return {"split": [len(r) for r in strategy._partition.view.ranges], "steps_s": windows,
+    return {"split": [len(r) for r in view.ranges], "steps_s": windows,  # type: ignore[attr-defined]
             "setup_s": clock.fit_started - clock.setup_started}
-
-
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
-def launch(spec: dict[str, Any], tmp: Path, timeout: float) -> dict[str, Any]:
-    """Run :func:`worker` in 2 fresh processes; rank 0's result."""
-    spec_path, out = tmp / "spec.json", tmp / "rank0.json"
-    spec_path.write_text(json.dumps(spec))
-    out.unlink(missing_ok=True)
-    port = free_port()
-    procs = []
-    for rank in range(2):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE="2", RANK=str(rank),
-                   LOCAL_RANK=str(rank), NODE_RANK="0", OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
-        log = open(tmp / f"rank{rank}.log", "wb")  # noqa: SIM115 - closed below
-        procs.append((subprocess.Popen([sys.executable, __file__, "--worker", str(spec_path), str(out)], env=env,
-                                       stdout=log, stderr=subprocess.STDOUT), log))
-    deadline = time.monotonic() + timeout
-    try:
-        for proc, _ in procs:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-    finally:
-        for proc, log in procs:
-            if proc.poll() is None:
-                proc.kill()
-                proc.wait()
-            log.close()
-    if not out.exists():
-        tail = (tmp / "rank0.log").read_text(errors="replace")[-3000:]
-        raise RuntimeError(f"balance={spec['balance']!r} failed:\n{tail}")
-    return json.loads(out.read_text())  # type: ignore[no-any-return]
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -136,23 +99,19 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--base-ms", type=float, default=5.0, help="sleep of a block's forward and of its backward")
     parser.add_argument("--microbatches", type=int, default=8)
     parser.add_argument("--timeout", type=float, default=600.0, help="seconds per launch")
-    parser.add_argument("--worker", nargs=2, help=argparse.SUPPRESS)
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.worker:
-        spec = json.loads(Path(args.worker[0]).read_text())
-        result = worker(spec)
-        if int(os.environ["RANK"]) == 0:
-            Path(args.worker[1]).write_text(json.dumps(result))
+        answer_as_worker(args.worker, worker)
         return
     rows = []
-    with tempfile.TemporaryDirectory() as tmp:
-        for balance in BALANCES:
-            spec = {"balance": balance, "steps": args.steps, "warmup": args.warmup, "base_ms": args.base_ms,
-                    "microbatches": args.microbatches}
-            result = launch(spec, Path(tmp), args.timeout)
-            rows.append((balance, result))
-            print(f"balance={balance!r}: split {result['split']}, median step "
-                  f"{1e3 * statistics.median(result['steps_s']):.0f} ms", flush=True)
+    for balance in BALANCES:
+        spec = {"balance": balance, "steps": args.steps, "warmup": args.warmup, "base_ms": args.base_ms,
+                "microbatches": args.microbatches}
+        result = run_workers(__file__, 2, spec, timeout=args.timeout)
+        rows.append((balance, result))
+        print(f"balance={balance!r}: split {result['split']}, median step "
+              f"{1e3 * statistics.median(result['steps_s']):.0f} ms", flush=True)
     uniform = statistics.median(rows[0][1]["steps_s"])
     lines = [f"2 processes on CPU (gloo), 1F1B, {args.microbatches} micro-batches; {BLOCKS} blocks sleeping "
              f"{args.base_ms:g} ms in forward and in backward, the first {SLOWDOWN}x as long; median of {args.steps} "

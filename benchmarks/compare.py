@@ -38,9 +38,10 @@ in **one process holding all its stages** on GPU 0 (``interleaved_1f1b`` with ``
 ``ScheduleInterleaved1F1B`` over the ``p`` stages of rank 0, which hands activations between local stages without
 communication), one replica: the table then shows each framework's cost of running the schedule, and the ideal is the
 single process's step (one device cannot go faster by splitting its work). The default
-stage counts are 2, and 4 where the machine has 4 cores (CPU: one per process) or 4 GPUs. The multi-process runs are
+stage counts are 2, and 4 where the machine has 4 cores (CPU: one per process) or 4 GPUs. The runs are
 launched as subprocesses the way torchrun would (``MASTER_ADDR``, ``MASTER_PORT``, ``WORLD_SIZE``, ``RANK``,
-``LOCAL_RANK``, ``NODE_RANK``); Lightning sees an external launcher because ``LOCAL_RANK`` is set.
+``LOCAL_RANK``, ``NODE_RANK``; the rendezvous store hosted by the launching script, as torchrun's agent hosts it:
+``benchmarks/_workers.py``); Lightning sees an external launcher because ``LOCAL_RANK`` is set.
 
 Definitions (``p`` stages, ``m`` micro-batches, ``T_single`` the single-process median step time):
 
@@ -88,9 +89,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import socket
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -99,6 +98,8 @@ from contextlib import nullcontext
 from itertools import pairwise
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from _workers import launch_processes  # beside this script
 
 if TYPE_CHECKING:
     from lightning_pp.monitor.memory import AllocatorPeakMeter, SavedTensorMeter
@@ -467,7 +468,7 @@ def worker_main(kind: str, spec_path: str, out_dir: str) -> None:
             keep_freed_cpu_memory()
         dist.init_process_group("nccl" if on_gpu else "gloo", rank=rank, world_size=world,
                                 device_id=device if on_gpu else None,
-                                store=dist.HashStore() if world == 1 else None)  # no launcher's address alone
+                                store=dist.HashStore() if world == 1 else None)  # one process: none to meet
     results: list[dict[str, Any]] = []
     try:
         for run in spec["runs"]:
@@ -489,53 +490,22 @@ def worker_main(kind: str, spec_path: str, out_dir: str) -> None:
 # --------------------------------------------------------------------------------------------------------------------
 
 
-def free_port() -> int:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        return int(sock.getsockname()[1])
-
-
 def launch(kind: str, device: str, runs: list[dict[str, Any]], world: int, timeout: float,
            tmp: Path, script: Path | None = None) -> list[list[dict[str, Any]]]:
     """Run ``runs`` in ``world`` fresh worker processes of ``script`` (this one by default, called with ``--worker
-    kind --spec FILE --out DIR``); returns per rank the list of per-run results."""
+    kind --spec FILE --out DIR``; started by ``_workers.launch_processes``); returns per rank the list of per-run
+    results (what the rank wrote before it failed, if it did: the failure is printed, not raised)."""
     for old in tmp.glob(f"{kind}_rank*.json"):
         old.unlink()
     spec = tmp / f"{kind}_spec.json"
     spec.write_text(json.dumps({"device": device, "runs": runs}))
-    port = free_port()
-    procs: list[tuple[subprocess.Popen[bytes], Any, Path]] = []
-    for rank in range(world):
-        env = dict(os.environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), WORLD_SIZE=str(world),
-                   RANK=str(rank), LOCAL_RANK=str(rank), NODE_RANK="0", OMP_NUM_THREADS="1",
-                   PYTHONWARNINGS="ignore")
-        if world == 1:
-            for key in ("MASTER_ADDR", "MASTER_PORT", "WORLD_SIZE", "RANK", "LOCAL_RANK", "NODE_RANK"):
-                env.pop(key)
-        log_path = tmp / f"{kind}_rank{rank}.log"
-        log = open(log_path, "wb")  # noqa: SIM115 - closed below
-        cmd = [sys.executable, str(script or Path(__file__).resolve()), "--worker", kind, "--spec", str(spec),
+    command = [sys.executable, str(script or Path(__file__).resolve()), "--worker", kind, "--spec", str(spec),
                "--out", str(tmp)]
-        procs.append((subprocess.Popen(cmd, env=env, stdout=log, stderr=subprocess.STDOUT), log, log_path))
-    deadline = time.monotonic() + timeout
-    timed_out = False
-    for proc, _, _ in procs:
-        try:
-            proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            timed_out = True
-            break
-    for proc, log, _ in procs:
-        if proc.poll() is None:
-            proc.kill()
-            proc.wait()
-        log.close()
-    failed = timed_out or any(proc.returncode != 0 for proc, _, _ in procs)
-    if failed:
-        why = f"timed out after {timeout:.0f} s" if timed_out else "failed"
-        for rank, (proc, _, log_path) in enumerate(procs):
-            tail = log_path.read_text(errors="replace")[-2500:]
-            print(f"--- {kind} rank {rank} {why} (exit {proc.returncode}) ---\n{tail}", file=sys.stderr)
+    job = launch_processes(command, world, timeout)
+    if job.timed_out or any(job.returncodes):
+        why = f"timed out after {timeout:.0f} s" if job.timed_out else "failed"
+        for rank, (code, output) in enumerate(zip(job.returncodes, job.outputs, strict=True)):
+            print(f"--- {kind} rank {rank} {why} (exit {code}) ---\n{output[-2500:]}", file=sys.stderr)
     per_rank: list[list[dict[str, Any]]] = []
     for rank in range(world):
         path = tmp / f"{kind}_rank{rank}.json"

@@ -18,16 +18,17 @@ device's time (no overlap is possible within one sequence's tokens), plus the tr
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import time
 from typing import Any
 
+from _workers import answer_as_worker, run_workers  # beside this script
 
-def run(args: argparse.Namespace) -> None:
-    """One runner (launched by ``main``): prints ``RESULT {json}`` on global rank 0."""
+
+def run(spec: dict[str, Any]) -> dict[str, Any]:
+    """One runner's rank (launched by ``main`` on ``spec["devices"]`` processes); global rank 0: the time per token and
+    the tokens."""
     import lightning as L
     import torch
     from torch.utils.data import DataLoader, TensorDataset
@@ -40,37 +41,39 @@ def run(args: argparse.Namespace) -> None:
     class Generator(L.LightningModule):
         def __init__(self) -> None:
             super().__init__()
-            config = GPT2Config(n_layer=args.layers, n_embd=args.width, n_head=4, vocab_size=512,
-                                n_positions=16 + args.tokens)
+            config = GPT2Config(n_layer=spec["layers"], n_embd=spec["width"], n_head=4, vocab_size=512,
+                                n_positions=16 + spec["tokens"])
             self.model = GPT2LMHeadModel(config)
             self.seconds: list[float] = []
 
         def predict_step(self, batch: Any, batch_idx: int) -> torch.Tensor:
             start = time.perf_counter()
-            tokens = self.model.generate(batch[0], max_new_tokens=args.tokens, do_sample=False, use_cache=True,
+            tokens = self.model.generate(batch[0], max_new_tokens=spec["tokens"], do_sample=False, use_cache=True,
                                          pad_token_id=0)
             self.seconds.append(time.perf_counter() - start)
             return tokens
 
     L.seed_everything(0, verbose=False)
     module = Generator()
-    prompts = torch.randint(1, 512, (4 * args.batches, 16), generator=torch.Generator().manual_seed(1))
-    strategy: Any = "auto" if args.run_devices == 1 else PipelineParallelStrategy(schedule="1f1b", microbatches=2)
-    trainer = L.Trainer(accelerator="cpu", devices=args.run_devices, strategy=strategy, logger=False,
+    prompts = torch.randint(1, 512, (4 * spec["batches"], 16), generator=torch.Generator().manual_seed(1))
+    strategy: Any = "auto" if spec["devices"] == 1 else PipelineParallelStrategy(schedule="1f1b", microbatches=2)
+    trainer = L.Trainer(accelerator="cpu", devices=spec["devices"], strategy=strategy, logger=False,
                         enable_progress_bar=False, enable_model_summary=False)
     outputs = trainer.predict(module, DataLoader(TensorDataset(prompts), batch_size=4))
-    if trainer.is_global_zero:
-        per_token = min(module.seconds[1:]) / args.tokens
-        print("RESULT " + json.dumps({"ms_per_token": 1000 * per_token,
-                                      "tokens": torch.cat(outputs).tolist()}), flush=True)  # type: ignore[arg-type]
+    if not trainer.is_global_zero:
+        return {}
+    per_token = min(module.seconds[1:]) / spec["tokens"]
+    return {"ms_per_token": 1000 * per_token, "tokens": torch.cat(outputs).tolist()}  # type: ignore[arg-type]
 
 
-def _ping_pong(rank: int, port: int, trips: int, result: Any) -> None:
+def _ping_pong(spec: dict[str, Any]) -> float | None:
+    """A message to the other process and back, ``spec["trips"]`` times after as many to warm up; rank 0: the mean
+    round trip in ms."""
     import torch
     import torch.distributed as dist
 
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(1)
+    rank, trips = int(os.environ["RANK"]), spec["trips"]
     dist.init_process_group("gloo", rank=rank, world_size=2)
     message = torch.zeros(1024)  # a token's activation for 4 prompts of width 256
     start = time.perf_counter()
@@ -83,24 +86,20 @@ def _ping_pong(rank: int, port: int, trips: int, result: Any) -> None:
         else:
             dist.recv(message, 0)
             dist.send(message, 0)
-    if rank == 0:
-        result.value = 1000 * (time.perf_counter() - start) / trips
+    milliseconds = 1000 * (time.perf_counter() - start) / trips
     dist.destroy_process_group()
+    return milliseconds if rank == 0 else None
 
 
 def round_trip_ms(trips: int = 200) -> float:
     """A message's round trip between two processes over gloo now: two hand-offs, what a token through 2 stages adds
     to one device's time at least (the machine's load shows here first)."""
-    import socket
+    return float(run_workers(__file__, 2, {"task": "ping_pong", "trips": trips}, timeout=300))
 
-    import torch.multiprocessing as mp
 
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
-    result = mp.get_context("spawn").Value("d", 0.0)
-    mp.spawn(_ping_pong, args=(port, trips, result), nprocs=2, join=True)
-    return float(result.value)
+def worker(spec: dict[str, Any]) -> Any:
+    """A launched process's part: ``spec["task"]`` (`run` or `_ping_pong`)."""
+    return {"run": run, "ping_pong": _ping_pong}[spec["task"]](spec)
 
 
 def main() -> None:
@@ -110,26 +109,21 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--batches", type=int, default=5)
     parser.add_argument("--devices", type=int, nargs="+", default=[2, 4], help="pipelined process counts")
-    parser.add_argument("--run-devices", type=int, default=0, help=argparse.SUPPRESS)  # a runner's own count
+    parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
-    if args.run_devices:
-        run(args)
+    if args.worker:
+        answer_as_worker(args.worker, worker)
         return
-    env = {k: v for k, v in os.environ.items() if k not in ("LOCAL_RANK", "WORLD_SIZE", "MASTER_PORT")}
     results: dict[tuple[int, str], Any] = {}
     # one device before the current path's runs and again after them (the faster counts), so that load from other
     # work on the machine while they ran does not flatter the ratios; the old path's runs last
     order = [(1, "-"), *((d, "current") for d in args.devices), (1, "again"), *((d, "old") for d in args.devices)]
     for devices, path in order:
         print(f"[{devices} process(es), {path} path] ...", file=sys.stderr, flush=True)
-        command = [sys.executable, __file__, "--run-devices", str(devices), "--layers", str(args.layers),
-                   "--width", str(args.width), "--tokens", str(args.tokens), "--batches", str(args.batches)]
-        run_env = {**env, "LIGHTNING_PP_EAGER": "replay"} if path == "old" else env
-        done = subprocess.run(command, capture_output=True, text=True, env=run_env, timeout=900)
-        line = next((out for out in done.stdout.splitlines() if out.startswith("RESULT ")), None)
-        if line is None:
-            raise SystemExit(f"the run on {devices} process(es) failed:\n{done.stdout[-2000:]}{done.stderr[-3000:]}")
-        results[devices, path] = json.loads(line[len("RESULT "):])
+        spec = {"task": "run", "devices": devices, "layers": args.layers, "width": args.width, "tokens": args.tokens,
+                "batches": args.batches}
+        results[devices, path] = run_workers(__file__, devices, spec, timeout=900,
+                                             env={"LIGHTNING_PP_EAGER": "replay"} if path == "old" else None)
     again = results.pop((1, "again"))
     base = results[1, "-"] = min(results[1, "-"], again, key=lambda result: result["ms_per_token"])
     assert again["tokens"] == base["tokens"]

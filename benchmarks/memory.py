@@ -18,13 +18,12 @@ activations, gathered FSDP weights, transfer buffers, what the allocator keeps).
 from __future__ import annotations
 
 import argparse
-import json
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from _workers import run_workers  # beside this script
+from _workers import answer_as_worker, run_workers  # beside this script
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_pp import PipelineParallelStrategy
@@ -111,7 +110,8 @@ class Meter(L.Callback):
                                                     if isinstance(t, torch.Tensor) and t.dim() > 0) / MIB
 
 
-def worker(spec: dict[str, Any]) -> None:
+def worker(spec: dict[str, Any]) -> list[Any]:
+    """Train the spec's layout on this process's rank; every rank's figures (global rank 0's are reported)."""
     torch.set_num_threads(1)
     processes, options = LAYOUTS[spec["layout"]]
     L.seed_everything(0, verbose=False)
@@ -125,12 +125,11 @@ def worker(spec: dict[str, Any]) -> None:
         module = Llama(spec["layers"], spec["width"])
     data = TensorDataset(torch.randint(50257, (16, 64)))  # 2 batches per replica (2 replicas at most)
     trainer.fit(module, DataLoader(data, batch_size=4))
-    rows = [meter.result]
+    rows: list[Any] = [meter.result]
     if processes > 1:
         rows = [None] * processes
         torch.distributed.all_gather_object(rows, meter.result)
-    if trainer.global_rank == 0:
-        Path(spec["out"]).write_text(json.dumps(rows))
+    return rows
 
 
 def run(layout: str, layers: int, width: int) -> list[dict[str, float]]:
@@ -146,7 +145,7 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(json.loads(args.worker))
+        answer_as_worker(args.worker, worker)
         return
     print("| layout | rank | parameters MiB | gradients MiB | AdamW state MiB | peak over the run MiB |")
     print("|---|---|---|---|---|---|")

@@ -31,13 +31,12 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
 from typing import Any
 
-from _workers import answer_as_worker, batch_clock, mse_module, run_workers
+from _workers import answer_as_worker, batch_clock, launch_processes, mse_module, run_workers
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = Path(__file__).resolve().parent / "results"
@@ -85,13 +84,18 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
 
 
 def gpt_run(schedule: str, optimizer: str, steps: int, log_dir: Path) -> dict[str, Any]:
-    """Train the example with ``schedule`` and ``optimizer``: the training loss it logged (step, value) and, per stage,
-    the monitor's last ``param_memory_mb`` and ``optimizer_state_mb``."""
+    """Train the example with ``schedule`` and ``optimizer`` on its 2 processes (started as torchrun would: the
+    example's ``--devices 2``): the training loss it logged (step, value) and, per stage, the monitor's last
+    ``param_memory_mb`` and ``optimizer_state_mb``."""
     from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
 
     command = [sys.executable, str(ROOT / "examples" / "train_gpt.py"), "--schedule", schedule, "--optimizer",
-               optimizer, "--max-steps", str(steps), "--sample-every", "0", "--log-dir", str(log_dir)]
-    subprocess.run(command, check=True, cwd=ROOT, timeout=3600, stdout=subprocess.DEVNULL)
+               optimizer, "--max-steps", str(steps), "--sample-every", "0", "--log-dir", str(log_dir), "--devices", "2"]
+    job = launch_processes(command, 2, timeout=3600)
+    if job.timed_out or any(job.returncodes):
+        raise SystemExit(f"train_gpt.py --schedule {schedule} --optimizer {optimizer} failed: exit codes "
+                         f"{job.returncodes}" + "".join(f"\n--- rank {rank} ---\n{output[-3000:]}"
+                                                         for rank, output in enumerate(job.outputs)))
     events = EventAccumulator(str(next((log_dir / "gpt_pipeline").glob("version_*"))), size_guidance={"scalars": 0})
     events.Reload()
     memory = {key: [events.Scalars(f"pipeline/stage{stage}/{key}")[-1].value for stage in range(2)]

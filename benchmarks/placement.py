@@ -18,15 +18,13 @@ the observed step).
 from __future__ import annotations
 
 import argparse
-import json
 import statistics
 import time
-from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from _workers import run_workers  # beside this script
+from _workers import answer_as_worker, run_workers  # beside this script
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
@@ -113,7 +111,9 @@ class Meter(L.Callback):
                 "allreduce_mib": self.sync_bytes[-1] / MIB, "step_s": statistics.median(windows)}
 
 
-def worker(spec: dict[str, Any]) -> None:
+def worker(spec: dict[str, Any]) -> list[Any]:
+    """Train the spec's model with its ``outside_weights`` mode on this process's rank; every rank's figures (global
+    rank 0's are reported)."""
     torch.set_num_threads(1)
     model_class, blocks = MODELS[spec["model"]]
     L.seed_everything(0, verbose=False)
@@ -126,8 +126,7 @@ def worker(spec: dict[str, Any]) -> None:
     trainer.fit(module, DataLoader(module.data(), batch_size=8))
     gathered: list[Any] = [None] * spec["stages"]
     torch.distributed.all_gather_object(gathered, meter.summary(trainer, module))
-    if trainer.global_rank == 0:
-        Path(spec["out"]).write_text(json.dumps(gathered))
+    return gathered
 
 
 def run(model: str, stages: int, mode: str, steps: int) -> list[dict[str, float]]:
@@ -143,7 +142,7 @@ def main() -> None:
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
-        worker(json.loads(args.worker))
+        answer_as_worker(args.worker, worker)
         return
     print("| model | stages | outside_weights | params MiB per stage | AdamW state MiB per stage "
           "| all-reduced MiB per step per stage | step s |")

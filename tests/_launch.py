@@ -4,8 +4,9 @@ Every process of a job ends with the call that launched it, however that call en
 such as pytest's own timeout): each rank runs in its own session, and the whole process group of each rank (the rank
 and anything it started) is SIGKILLed on the way out; SIGTERM is not enough, Lightning handles it and carries on. When
 the launching process is killed outright (no ``finally`` runs), a small reaper process it started does the same, and
-each rank is SIGKILLed by the kernel (see ``_worker.py``). Launch timeouts stay well below pytest's per-test timeout
-(pyproject) so that a stuck job fails here, with the ranks' logs, and never inside pytest's own error reporting.
+each rank is SIGKILLed by the kernel (``_DIE_WITH_LAUNCHER``, through which every rank starts; ``_worker.py`` too).
+Launch timeouts stay well below pytest's per-test timeout (pyproject) so that a stuck job fails here, with the ranks'
+logs, and never inside pytest's own error reporting.
 
 Warm ranks: starting a rank (Python, torch, Lightning) takes 10-20 s on a busy 2-core machine, most of a small job.
 Within a pytest session (`worker_pools`, opened by conftest.py), `launch` runs each job on the ranks of a pool kept
@@ -24,6 +25,10 @@ rank connects to it as a client. The store is bound to its port from before the 
 with a pool, until the job is over), so no other process can take the port in between (choosing a free port and
 releasing it for rank 0 to bind is a race), and a job never rendezvouses with another job's store. One store per run,
 so a run that re-initialises the process group starts from empty keys.
+
+Scripts: `launch_processes` runs any command (the benchmarks' workers: ``benchmarks/_workers.py``) in fresh processes
+the same way, as torchrun starts its ranks (``RANK`` too), with the same store, reaping and timeout; it is the one
+fresh-process launch, which `launch` uses for its own fresh jobs.
 
 ``launch_torchrun`` starts the ranks through torchrun itself, one torchrun agent per simulated node, so that Lightning
 sees a real TorchElastic job (``RANK``, ``GROUP_RANK``, ``LOCAL_WORLD_SIZE``, the agent's store); see its docstring for
@@ -44,7 +49,7 @@ import tempfile
 import threading
 import time
 from collections import Counter
-from collections.abc import Iterator
+from collections.abc import Iterator, Mapping
 from dataclasses import dataclass
 from datetime import timedelta
 from pathlib import Path
@@ -56,6 +61,16 @@ from torch.distributed import TCPStore
 WORKER = Path(__file__).with_name("_worker.py")
 DEFAULT_TIMEOUT_S = 240.0
 MAX_TIMEOUT_S = 400.0  # pytest's per-test timeout is 600 s (pyproject): a launch must time out well before it
+
+
+@dataclass
+class ProcessesResult:
+    """How the processes of `launch_processes` ended, by rank."""
+
+    returncodes: list[int | None]  # negative: killed by that signal (-9: SIGKILLed on the way out)
+    outputs: list[str]  # each process's stdout and stderr
+    timed_out: bool  # the timeout came first: the processes still running then were killed
+    pids: list[int]
 
 
 @dataclass
@@ -90,6 +105,68 @@ if "done" not in lines:
 """
 
 
+# Makes the kernel SIGKILL this process when the launching thread ends (``PR_SET_PDEATHSIG``, which survives exec), then
+# becomes the command (exec keeps the pid): a rank in a session of its own ends with the launcher even where the
+# launcher and its reaper are killed together (a SIGKILL of the launcher's process group reaches neither the ranks nor,
+# then, a reaper that could still act).
+_DIE_WITH_LAUNCHER = """
+import os, signal, sys
+if sys.platform == "linux":
+    import ctypes
+    ctypes.CDLL(None, use_errno=True).prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+if os.getppid() != int(sys.argv[1]):  # the launcher ended before the line above
+    os._exit(1)
+os.execvp(sys.argv[2], sys.argv[2:])
+"""
+
+
+def _start_process(reaper: subprocess.Popen[str], command: list[str], env: dict[str, str], log: IO[str],
+                   **popen: Any) -> subprocess.Popen[bytes]:
+    """Start ``command`` as a rank: in a session of its own (its process group: it and whatever it starts), output to
+    ``log``, handed to ``reaper``, killed by the kernel when the launching thread ends."""
+    proc = subprocess.Popen([sys.executable, "-I", "-S", "-c", _DIE_WITH_LAUNCHER, str(os.getpid()), *command],
+                            env=env, stdout=log, stderr=subprocess.STDOUT, start_new_session=True, **popen)
+    assert reaper.stdin is not None
+    reaper.stdin.write(f"{proc.pid}\n")  # its process group id: it leads a new session
+    reaper.stdin.flush()
+    return proc
+
+
+def _run_processes(command: list[str], envs: list[dict[str, str]], out: Path, timeout: float,
+                   after_failure: float | None = None) -> tuple[list[subprocess.Popen[bytes]], bool]:
+    """Run ``command`` once per environment of ``envs`` (process ``r``'s output to ``out / f"rank{r}.log"``) until all
+    have ended or ``timeout`` s have passed, and whether the timeout came first. With ``after_failure``, the others
+    get that many seconds once one has failed, then are killed. However this ends (an exception included), each
+    process's group is SIGKILLed and each process reaped before it returns."""
+    reaper = _start_reaper()
+    procs: list[subprocess.Popen[bytes]] = []
+    logs: list[IO[str]] = []
+    timed_out = False
+    try:
+        for rank, env in enumerate(envs):
+            logs.append(open(out / f"rank{rank}.log", "w"))  # noqa: SIM115 - closed below
+            procs.append(_start_process(reaper, command, env, logs[-1]))
+        deadline = time.monotonic() + timeout
+        failed_at: float | None = None
+        while None in [proc.poll() for proc in procs]:  # every process polled: its returncode set once it ended
+            now = time.monotonic()
+            if now > deadline:
+                timed_out = True
+                break
+            if after_failure is not None:
+                if failed_at is None and any(proc.returncode for proc in procs):
+                    failed_at = now
+                if failed_at is not None and now > failed_at + after_failure:
+                    break
+            time.sleep(0.05)
+    finally:  # also when this process is interrupted (pytest's timeout, Ctrl-C) or Popen failed
+        _kill_job(procs)
+        _end_reaper(reaper)
+        for log in logs:
+            log.close()
+    return procs, timed_out
+
+
 def _kill_job(procs: list[subprocess.Popen[bytes]]) -> None:
     """SIGKILL each rank's process group (the rank and whatever it started), then reap the ranks."""
     for proc in procs:
@@ -117,19 +194,20 @@ def _check_timeout(caller: str, timeout: float) -> None:
                          "(pyproject) must not fire first; keep a test's launches together under it too")
 
 
-def _rank_env(world_size: int, rank: int, port: int | None) -> dict[str, str]:
-    """What a rank of `launch` finds in its environment on top of the launching process's."""
-    env = dict(os.environ, MASTER_ADDR="127.0.0.1", TORCHELASTIC_USE_AGENT_STORE="True", WORLD_SIZE=str(world_size),
-               NODE_RANK="0", LOCAL_RANK=str(rank), OMP_NUM_THREADS="1", PYTHONWARNINGS="ignore")
+def _rank_env(world_size: int, rank: int, port: int | None, base: Mapping[str, str] | None = None) -> dict[str, str]:
+    """What a rank of `launch` finds in its environment on top of the launching process's (or ``base``)."""
+    env = dict(os.environ if base is None else base, MASTER_ADDR="127.0.0.1", TORCHELASTIC_USE_AGENT_STORE="True",
+               WORLD_SIZE=str(world_size), NODE_RANK="0", LOCAL_RANK=str(rank), OMP_NUM_THREADS="1",
+               PYTHONWARNINGS="ignore")
     if port is not None:
         env["MASTER_PORT"] = str(port)
     return env
 
 
-def _stores(world_size: int, runs: list[dict[str, Any]], timeout: float) -> list[TCPStore]:
-    """One rendezvous store per run, bound here until the job ends (see the module docstring)."""
+def _stores(world_size: int, count: int, timeout: float) -> list[TCPStore]:
+    """``count`` rendezvous stores (one per run), bound here until the job ends (see the module docstring)."""
     return [TCPStore("127.0.0.1", 0, world_size, is_master=True, timeout=timedelta(seconds=timeout),
-                     wait_for_workers=False) for _ in runs]
+                     wait_for_workers=False) for _ in range(count)]
 
 
 def _start_reaper() -> subprocess.Popen[str]:
@@ -175,41 +253,47 @@ def launch(world_size: int, runs: list[dict[str, Any]], timeout: float = DEFAULT
 def _launch_fresh(world_size: int, runs: list[dict[str, Any]], timeout: float) -> list[RankResult]:
     with tempfile.TemporaryDirectory() as tmp:
         out = Path(tmp)
-        stores = _stores(world_size, runs, timeout)
+        stores = _stores(world_size, len(runs), timeout)
         spec = out / "spec.json"
         spec.write_text(json.dumps({"out_dir": str(out), "runs": runs, "ports": [store.port for store in stores],
                                     "launcher_pid": os.getpid()}))
-        reaper = _start_reaper()
-        assert reaper.stdin is not None
-        procs: list[subprocess.Popen[bytes]] = []
-        logs: list[IO[str]] = []
-        timed_out = False
         try:
-            for rank in range(world_size):
-                logs.append(open(out / f"rank{rank}.log", "w"))  # noqa: SIM115 - closed below
-                procs.append(subprocess.Popen([sys.executable, str(WORKER), str(spec)],
-                                              env=_rank_env(world_size, rank, stores[0].port), stdout=logs[-1],
-                                              stderr=subprocess.STDOUT, start_new_session=True))
-                reaper.stdin.write(f"{procs[-1].pid}\n")  # its process group id: it leads a new session
-                reaper.stdin.flush()
-            deadline = time.monotonic() + timeout
-            for proc in procs:
-                try:
-                    proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    timed_out = True
-                    break
-        finally:  # also when this process is interrupted (pytest's timeout, Ctrl-C) or Popen failed
-            _kill_job(procs)
-            _end_reaper(reaper)
-            for log in logs:
-                log.close()
+            procs, timed_out = _run_processes([sys.executable, str(WORKER), str(spec)],
+                                              [_rank_env(world_size, rank, stores[0].port)
+                                               for rank in range(world_size)], out, timeout)
+        finally:
             del stores
         ranks = [_read_rank(out, rank, len(runs), proc.returncode, (out / f"rank{rank}.log").read_text())
                  for rank, proc in enumerate(procs)]
         if timed_out:
             raise _timeout_error("multi-process job", timeout, ranks, [proc.pid for proc in procs])
         return ranks
+
+
+def launch_processes(command: list[str], world_size: int, timeout: float, *, env: Mapping[str, str] | None = None,
+                     after_failure: float | None = 60.0) -> ProcessesResult:
+    """Run ``command`` (``[sys.executable, script, ...]``) in ``world_size`` fresh processes as torchrun starts its
+    ranks: ``MASTER_ADDR`` and ``MASTER_PORT`` of a rendezvous store this process hosts (see the module docstring),
+    ``WORLD_SIZE``, ``RANK``, ``LOCAL_RANK``, ``NODE_RANK``, ``OMP_NUM_THREADS=1``, on top of this process's
+    environment updated with ``env``. Lightning sees an external launcher (``LOCAL_RANK`` is set); a plain
+    ``torch.distributed.init_process_group`` meets at the store by ``env://``. Returns when every process has ended,
+    ``timeout`` s have passed, or ``after_failure`` s after one failed (the others are killed then: they would wait
+    for it until their own timeouts; None: wait for them). Every process (and whatever it started) is dead when this
+    returns or raises, however it ends: as in `launch`. Each process's output is kept (``outputs``)."""
+    if timeout <= 0:
+        raise ValueError(f"launch_processes(timeout={timeout}) must be positive")
+    base = dict(os.environ, **(env or {}))
+    with tempfile.TemporaryDirectory() as tmp:
+        out = Path(tmp)
+        stores = _stores(world_size, 1, timeout)
+        try:
+            envs = [dict(_rank_env(world_size, rank, stores[0].port, base), RANK=str(rank))
+                    for rank in range(world_size)]
+            procs, timed_out = _run_processes(command, envs, out, timeout, after_failure)
+        finally:
+            del stores
+        outputs = [(out / f"rank{rank}.log").read_text(errors="replace") for rank in range(len(procs))]
+    return ProcessesResult([proc.returncode for proc in procs], outputs, timed_out, [proc.pid for proc in procs])
 
 
 # ------------------------------------------------------------------------------------------------ warm worker pools
@@ -242,13 +326,9 @@ class _Pool:
         try:
             for rank in range(world_size):
                 self._logs.append(open(self._dir / f"rank{rank}.log", "w"))  # noqa: SIM115 - closed in close
-                self.procs.append(subprocess.Popen(
-                    [sys.executable, str(WORKER), "--serve", str(os.getpid())], stdin=subprocess.PIPE,
-                    env=_rank_env(world_size, rank, None), stdout=self._logs[-1], stderr=subprocess.STDOUT,
-                    start_new_session=True))
-                assert self._reaper.stdin is not None
-                self._reaper.stdin.write(f"{self.procs[-1].pid}\n")
-                self._reaper.stdin.flush()
+                self.procs.append(_start_process(
+                    self._reaper, [sys.executable, str(WORKER), "--serve", str(os.getpid())],
+                    _rank_env(world_size, rank, None), self._logs[-1], stdin=subprocess.PIPE))
         except BaseException:
             self.close()
             raise
@@ -260,7 +340,7 @@ class _Pool:
             ) -> tuple[list[RankResult], str | None]:
         """The job's ranks, and why the pool cannot take another job (None: it can). The caller closes it then, and
         on any exception (a timeout included: `LaunchTimeoutError`)."""
-        stores = _stores(self.world_size, runs, timeout)
+        stores = _stores(self.world_size, len(runs), timeout)
         try:
             spec = out / "spec.json"
             spec.write_text(json.dumps({"out_dir": str(out), "runs": runs, "ports": [s.port for s in stores],
@@ -284,8 +364,9 @@ class _Pool:
                         ended[rank] = "exited"
                 if len(ended) < self.world_size:
                     if time.monotonic() > deadline:
+                        _kill_job(self.procs)  # dead before their logs are read: close() removes a start-up log
+                        ranks = self._ranks(out, runs, ended)  # (a rank that never took the job has only that)
                         self.close()
-                        ranks = self._ranks(out, runs, ended)
                         raise _timeout_error("multi-process job", timeout, ranks, [p.pid for p in self.procs])
                     time.sleep(0.02)
         finally:
