@@ -1407,13 +1407,14 @@ def _built_on_meta(entry: Model, trainer: L.Trainer) -> L.LightningModule:
 
 
 def _decisions(trainer: L.Trainer) -> dict[str, Any]:
-    """What the run's ModelCheckpoint (one monitoring a value) and EarlyStopping decided: the best score and file,
-    the best k, the files in its folder, the epoch training stopped at."""
+    """What the run's ModelCheckpoint (one monitoring a value) and EarlyStopping decided: the value monitored, the best
+    score and file, the best k, the files in its folder, the epoch training stopped at."""
     decided: dict[str, Any] = {}
     checkpoint = trainer.checkpoint_callback
     if isinstance(checkpoint, ModelCheckpoint) and checkpoint.monitor is not None:
         assert checkpoint.best_model_score is not None and checkpoint.dirpath is not None
-        decided.update(best_score=float(checkpoint.best_model_score), best_path=Path(checkpoint.best_model_path).name,
+        decided.update(monitor=checkpoint.monitor, best_score=float(checkpoint.best_model_score),
+                       best_path=Path(checkpoint.best_model_path).name,
                        top_k=sorted((Path(p).name, float(s)) for p, s in checkpoint.best_k_models.items()),
                        files=sorted(p.name for p in Path(checkpoint.dirpath).iterdir()))
     if trainer.early_stopping_callback is not None:

@@ -38,9 +38,11 @@ RTOL, ATOL = 1e-5, 5e-6
 # times the step's largest gradient where that is more (a gradient zero in exact arithmetic is fp32 noise: see
 # `assert_grads_match`)
 GRAD_RTOL, GRAD_NOISE = 1e-5, 1e-4
-# everything logged, callback metrics, validate/test results, checkpoint scores: within LOGGED_TOL, relative to the
-# value below magnitude 1 (see `within`)
+# everything logged, callback metrics, validate/test results, checkpoint scores: within LOGGED_TOL, times the value
+# where its magnitude is below 1; a perplexity (the exponential of a loss, whose error it multiplies by itself) within
+# LOGGED_TOL of itself (see `within`)
 LOGGED_TOL = 1e-5
+PERPLEXITIES = ("val_ppl",)
 RESUME_TOL = 1e-6  # parameters after resuming from a checkpoint, absolute (`assert_params_close`)
 ADAPTIVE = ("Adam", "AdamW")  # optimizers whose weights are not compared (see test_equivalence.py)
 SCHEDULE_NAMES = ["naive", "gpipe", "1f1b"]
@@ -171,16 +173,17 @@ def assemble(ranks: list[RankResult], index: int) -> tuple[dict[str, torch.Tenso
 # ------------------------------------------------------------------------------------------------ comparisons
 
 
-def within(got: float, want: float) -> bool:
-    """A logged value as the reference's: within LOGGED_TOL, times the value where its magnitude is below 1."""
-    return abs(got - want) <= LOGGED_TOL * min(1.0, abs(want))
+def within(got: float, want: float, key: str) -> bool:
+    """Logged value ``key`` as the reference's: within LOGGED_TOL, times the value where its magnitude is below 1 or
+    where it is a perplexity."""
+    return abs(got - want) <= LOGGED_TOL * (abs(want) if key in PERPLEXITIES else min(1.0, abs(want)))
 
 
 def assert_same_metrics(got: dict[str, float], want: dict[str, float], label: str, of: str = "") -> None:
     """The same metric names, each value `within` the reference's; ``of`` names the reference in the message."""
     assert sorted(got) == sorted(want), f"{label}: {sorted(got)} vs {of}{sorted(want)}"
     for key, value in want.items():
-        assert within(got[key], value), f"{label}: {key} {got[key]} vs {of}{value}"
+        assert within(got[key], value, key), f"{label}: {key} {got[key]} vs {of}{value}"
 
 
 def assert_logged_match(history: list, want_history: list, label: str, keys: tuple[str, ...] | None = None) -> float:
@@ -192,7 +195,8 @@ def assert_logged_match(history: list, want_history: list, label: str, keys: tup
     for (step, got), (_, want) in zip(history, want_history, strict=True):
         assert sorted(got) == sorted(want), f"{label} step {step}: logged {sorted(got)}, the reference {sorted(want)}"
         for key in want if keys is None else [key for key in keys if key in want]:
-            assert within(got[key], want[key]), f"{label} step {step}: {key} {got[key]} vs the reference's {want[key]}"
+            assert within(got[key], want[key], key), (f"{label} step {step}: {key} {got[key]} vs the reference's "
+                                                      f"{want[key]}")
             worst = max(worst, abs(got[key] - want[key]))
     return worst
 
@@ -297,10 +301,11 @@ def assert_seen_alike(result: Result, want: Result, label: str, logged: tuple[st
             assert got[:2] == expected[:2] and torch.equal(got[2], expected[2]), (label, got, expected)
     if "best_path" in want:
         assert result["best_path"] == want["best_path"], f"{label}: best_model_path"
-        assert within(result["best_score"], want["best_score"]), f"{label}: best_model_score"
+        monitor = want["monitor"]
+        assert within(result["best_score"], want["best_score"], monitor), f"{label}: best_model_score"
         assert [name for name, _ in result["top_k"]] == [name for name, _ in want["top_k"]], f"{label}: best_k_models"
-        assert all(within(got, expected) for (_, got), (_, expected) in zip(result["top_k"], want["top_k"],
-                                                                             strict=True)), f"{label}: best_k_models"
+        assert all(within(got, expected, monitor) for (_, got), (_, expected) in zip(result["top_k"], want["top_k"],
+                                                                                      strict=True)), label
         assert result["files"] == want["files"], f"{label}: checkpoint files"
     if "stopped_epoch" in want:
         assert (result["stopped_epoch"], result["epochs"]) == (want["stopped_epoch"], want["epochs"]), label
