@@ -188,6 +188,8 @@ class StageSession:
                 assert switched.microbatches is not None
                 self.schedules.switch(str(switched.schedule), switched.microbatches)
                 self.microbatches = self.driver.microbatches = switched.microbatches
+        elif self.auto is not None:
+            self.auto.evaluation_step()
         placing = self.assembly.placing
         if training and placing is not None and placing.wants_observation():
             placing.observe()

@@ -149,7 +149,11 @@ def rechoose(searched: AutoSearch, current: Candidate, measured: Sequence[StepMe
              keep_microbatches: bool) -> Rechoice:
     """Compare the measured step with ``current``'s prediction; past :data:`MISS`, re-choose from the calibrated costs
     among the configurations that keep every block where it is (``keep_microbatches``: the count too)."""
-    step = statistics.median(w for r in measured for w in r.windows)
+    windows = [w for r in measured for w in r.windows]
+    if not windows:
+        return Rechoice(0.0, False, current, False, "schedule='auto' could not time a whole training step: an "
+                        "evaluation ran within each of steps 1-4; its choice stays")
+    step = statistics.median(windows)
     miss = step / current.step_s - 1
     said = (f"schedule='auto' predicted {1e3 * current.step_s:.1f} ms per step for {current.schedule} "
             f"m={current.microbatches} split={list(current.balance)} and measured {1e3 * step:.1f} ms "
@@ -197,7 +201,7 @@ class AutoChoice:
         self.searched, self.rank, self.keep_microbatches = searched, rank, keep_microbatches
         self.object_group = object_group
         self._steps = 0
-        self._starts: list[float] = []
+        self._last_start: float | None = None  # the latest training step's start, while its window counts
         self._measurement = StepMeasurement()
 
     def before_training_step(self, sink: Sink | None, collective: Callable[[str], AbstractContextManager[None]]
@@ -208,7 +212,10 @@ class AutoChoice:
         if self.chosen is None or step > WARMUP + WINDOWS + 1:
             return sink, None
         if WARMUP <= step <= WARMUP + WINDOWS:
-            self._starts.append(time.perf_counter())
+            now = time.perf_counter()
+            if self._last_start is not None:
+                self._measurement.windows.append(now - self._last_start)
+            self._last_start = now
         if step == WARMUP + WINDOWS:  # timed: the events give the stages' costs
 
             def read(events: list[TimelineEvent], samples: int) -> None:
@@ -219,8 +226,11 @@ class AutoChoice:
             return read, None
         if step != WARMUP + WINDOWS + 1:
             return sink, None
-        self._measurement.windows = [b - a for a, b in zip(self._starts, self._starts[1:], strict=False)]
         return sink, self._decide(collective)
+
+    def evaluation_step(self) -> None:
+        """An evaluation step ran (validation within the epoch): the training step window it falls in is not one."""
+        self._last_start = None
 
     def _decide(self, collective: Callable[[str], AbstractContextManager[None]]) -> PipelineOptions | None:
         group = self.object_group()
@@ -236,7 +246,8 @@ class AutoChoice:
             dist.broadcast_object_list(decision, src=0, group=group)
         rechoice: Rechoice = decision[0]
         (log.warning if rechoice.missed else log.info)(rechoice.message)
-        self.measured_s, self.chosen = rechoice.measured_s, rechoice.chosen  # (missed: predicted from what it measured)
+        self.measured_s = rechoice.measured_s or None
+        self.chosen = rechoice.chosen  # (missed: predicted from what it measured)
         if not rechoice.switch:
             return None
         self.options = dataclasses.replace(self.options, schedule=self.chosen.schedule,  # type: ignore[arg-type]
