@@ -31,7 +31,7 @@ from loaders import features, random_tokens
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, SequenceParallel
-from torch.utils.data import DataLoader
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, Subset
 from torchmetrics import Metric
 
 
@@ -778,6 +778,106 @@ class ShardsOverItsOwnMesh(MLPClassifier):
                 fully_shard(layer, mesh=mesh)
 
 
+# ------------------------------------------------------------------------ batches as users load them, and misload them
+class TextDataset(Dataset):
+    """Features, a class and a text whose length varies by sample (a collated text field is a list of strings)."""
+
+    def __init__(self, n: int = 32, seed: int = 1234) -> None:
+        generator = torch.Generator().manual_seed(seed)
+        self.x = torch.randn(n, 10, generator=generator)
+        self.y = torch.randint(0, 5, (n,), generator=generator)
+
+    def __len__(self) -> int:
+        return len(self.x)
+
+    def __getitem__(self, i: int) -> dict[str, Any]:
+        return {"x": self.x[i], "y": self.y[i], "text": "word " * (1 + i % 5)}
+
+
+class TextClassifier(L.LightningModule):
+    """Classifies `TextDataset`'s features (a dict batch), one epoch of its own loader (4 batches of 8, in order)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.inp = nn.Linear(10, 16)
+        self.layers = nn.Sequential(nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 16), nn.Tanh())
+        self.head = nn.Linear(16, 5)
+
+    def logits(self, x: torch.Tensor) -> torch.Tensor:
+        return self.head(self.layers(torch.relu(self.inp(x))))
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        loss = nn.functional.cross_entropy(self.logits(batch["x"]), batch["y"])
+        self.log("train_loss", loss)
+        return loss
+
+    def configure_optimizers(self) -> Any:
+        return torch.optim.SGD(self.parameters(), lr=0.1, momentum=0.9)
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TextDataset(), batch_size=8)
+
+
+class CountsTexts(TextClassifier):
+    """Weights each sample by its text's length and divides by ``len(batch["text"])``: the batch size as its list of
+    strings tells it."""
+
+    def training_step(self, batch: dict[str, Any], batch_idx: int) -> torch.Tensor:
+        weights = torch.tensor([len(text.split()) for text in batch["text"]], dtype=torch.float32)
+        losses = nn.functional.cross_entropy(self.logits(batch["x"]), batch["y"], reduction="none")
+        loss = (losses * weights).sum() / len(batch["text"])
+        self.log("train_loss", loss)
+        return loss
+
+
+@dataclass
+class TextBatch:
+    x: torch.Tensor
+    y: torch.Tensor
+    names: list[str]
+
+
+def collate_text_batch(samples: list[dict[str, Any]]) -> TextBatch:
+    return TextBatch(torch.stack([s["x"] for s in samples]), torch.stack([s["y"] for s in samples]),
+                     [s["text"] for s in samples])
+
+
+class ReadsADataclass(TextClassifier):
+    """Its loader collates each batch into a dataclass (`TextBatch`)."""
+
+    def training_step(self, batch: TextBatch, batch_idx: int) -> torch.Tensor:
+        loss = nn.functional.cross_entropy(self.logits(batch.x), batch.y, reduction="sum") / len(batch.names)
+        self.log("train_loss", loss)
+        return loss
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TextDataset(), batch_size=8, collate_fn=collate_text_batch)
+
+
+class SamplesTheWholeWorld(TextClassifier):
+    """A DistributedSampler of its own over every process of the job: each stage of a pipeline gets other samples."""
+
+    def train_dataloader(self) -> DataLoader:
+        dataset = TextDataset()
+        return DataLoader(dataset, batch_size=8, sampler=DistributedSampler(
+            dataset, num_replicas=self.trainer.world_size, rank=self.global_rank))
+
+
+class ShufflesByRank(TextClassifier):
+    """A shuffle seeded by the process's rank: each stage of a pipeline gets other batches."""
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(TextDataset(), batch_size=8, shuffle=True,
+                          generator=torch.Generator().manual_seed(self.global_rank))
+
+
+class FewerOnRank1(TextClassifier):
+    """3 batches on global rank 1, 4 elsewhere."""
+
+    def train_dataloader(self) -> DataLoader:
+        return DataLoader(Subset(TextDataset(), range(24 if self.global_rank == 1 else 32)), batch_size=8)
+
+
 # ---------------------------------------------------------------------------------------------------- sleeping layers
 class _Sleep(torch.autograd.Function):
     """Identity whose forward and backward each sleep a fixed time: timings independent of the machine's load."""
@@ -1257,6 +1357,12 @@ MODELS: dict[str, Model] = {
     "shards_over_its_own_mesh": Model(ShardsOverItsOwnMesh),
     "keeps_its_parameter_list": Model(KeepsItsParameterList),
     "blocks_share_a_weight": Model(BlocksShareAWeight),
+    # batches as users load them (a text field, a dataclass), and loaders giving a pipeline's stages other batches
+    "counts_texts": own(CountsTexts, max_steps=-1, max_epochs=1),
+    "reads_a_dataclass": own(ReadsADataclass, max_steps=-1, max_epochs=1),
+    "samples_the_whole_world": own(SamplesTheWholeWorld, max_steps=-1, max_epochs=1),
+    "shuffles_by_rank": own(ShufflesByRank, max_steps=-1, max_epochs=1),
+    "fewer_on_rank_1": own(FewerOnRank1, max_steps=-1, max_epochs=1),
     # sleeping layers: timings independent of the machine's load
     "sleepy2": Model(lambda: Sleepy(layers=2, forward_s=0.06, backward_s=0.06)),
     # 4 processes share 2 cores: longer sleeps keep the (real, ~1 ms) transfer cost small next to compute

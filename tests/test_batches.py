@@ -7,10 +7,10 @@ import time
 from collections import namedtuple
 from dataclasses import dataclass, field
 
-import batch_scenarios
 import pytest
 import torch
 from _launch import launch
+from support import check_all, like, pipelined
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_pp import PipelineConfigError
@@ -132,20 +132,9 @@ def test_a_distributed_sampler_over_the_world_is_refused_with_the_right_argument
 @pytest.mark.multiprocess
 def test_per_sample_lists_and_dataclasses_train_as_on_one_device() -> None:
     """A step dividing by ``len(batch["text"])`` and weighting each sample by its text, and a dataclass batch: the
-    pipeline's weights equal one device's."""
-    runs = [{"scenario": "batch_scenarios:train", "kwargs": {"kind": kind, "schedule": "1f1b", "microbatches": 4}}
-            for kind in ("text", "dataclass")]
-    ranks = launch(2, runs, timeout=200)
-    for index, kind in enumerate(("text", "dataclass")):
-        want = batch_scenarios.fit(kind)
-        got: dict[str, torch.Tensor] = {}
-        for rank in ranks:
-            assert index not in rank.errors, rank.errors[index]["traceback"]
-            got.update(rank.results[index]["state"])
-        assert sorted(got) == sorted(want["state"]), kind
-        for name, value in want["state"].items():
-            torch.testing.assert_close(got[name], value, rtol=1e-5, atol=5e-6, msg=f"{kind} {name}")
-        assert ranks[0].results[index]["loss"] == pytest.approx(want["loss"], abs=1e-5), kind
+    pipeline trains as one device does (`support.assert_like`: gradients, logged loss, weights)."""
+    runs = [pipelined(model, schedule="1f1b", microbatches=4) for model in ("counts_texts", "reads_a_dataclass")]
+    check_all(2, runs, [like(run["kwargs"]["model"]) for run in runs], timeout=200)
 
 
 @pytest.mark.multiprocess
@@ -153,9 +142,9 @@ def test_stages_loading_different_batches_fail_on_every_rank() -> None:
     """A DistributedSampler over the whole world is refused before any step; a shuffle seeded by the rank fails at
     the first step on both stages; a rank with fewer batches fails both stages at its last one, and the job exits
     non-zero on every rank."""
-    runs = [{"scenario": "batch_scenarios:train", "kwargs": {"kind": kind, "catch": True, "microbatches": 2}}
-            for kind in ("own_distributed_sampler", "shuffled_by_rank")]
-    runs.append({"scenario": "batch_scenarios:train", "kwargs": {"kind": "fewer_on_rank_1", "microbatches": 2}})
+    runs = [{"scenario": "expect_error", "kwargs": {"model": model, "microbatches": 2, "timeout": 30}}
+            for model in ("samples_the_whole_world", "shuffles_by_rank")]
+    runs.append({"scenario": "train", "kwargs": {"model": "fewer_on_rank_1", "microbatches": 2, "timeout": 30}})
     ranks = launch(2, runs, timeout=200)
     for rank_index, rank in enumerate(ranks):
         refused, shuffled = rank.results[0], rank.results[1]
