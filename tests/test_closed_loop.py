@@ -53,15 +53,22 @@ def measurement(measured: MeasuredCosts, current: Candidate, slower: tuple[float
     return ranks
 
 
-def test_the_measured_costs_scale_each_stage_to_what_it_took() -> None:
+def test_the_measured_costs_move_each_stage_to_what_it_took() -> None:
+    """The second stage took twice its prediction: its blocks cost that much more per call, at every micro-batch
+    size; the first stage's are unchanged; the gaps between actions are the time per action, and the whole step less
+    the schedule's wall time is the time outside it."""
     measured = costs()
     current = configuration(measured, "1f1b", 4, (4, 4))
     ranks = measurement(measured, current, slower=(1.0, 2.0), gap_s=1e-3, window_s=current.step_s * 3)
     calibrated = calibrate(measured, current, BATCH, ranks)
+    now = stage_costs(measured, 2, BATCH / 4, False, (4, 4))
+    assert stage_costs(calibrated, 2, BATCH / 4, False, (4, 4)).forward == pytest.approx([now.forward[0],
+                                                                                         2 * now.forward[1]])
+    extra = now.forward[1] / 4  # per block of the second stage, per call
     for k in range(2):
         assert calibrated.forward[k][:4] == pytest.approx(measured.forward[k][:4])
-        assert calibrated.forward[k][4:] == pytest.approx([2 * x for x in measured.forward[k][4:]])
-        assert calibrated.weight_backward[k][4:] == pytest.approx([2 * x for x in measured.weight_backward[k][4:]])
+        assert calibrated.forward[k][4:] == pytest.approx([x + extra for x in measured.forward[k][4:]])
+        assert calibrated.weight_backward[k][4:] == pytest.approx([x + extra for x in measured.weight_backward[k][4:]])
     assert calibrated.framework_s == pytest.approx(1e-3)
     assert calibrated.outside_s == pytest.approx(current.step_s * 3 - ranks[0].wall)
 

@@ -101,42 +101,45 @@ class Rechoice:
 
 def calibrate(costs: MeasuredCosts, current: Candidate, batch_size: int,
               measured: Sequence[StepMeasurement]) -> MeasuredCosts:
-    """``costs`` scaled to what the stages of ``current`` measured: each block's forward by its stage's measured over
-    predicted forward, its backward likewise; the runtime's time per action from the gaps between a rank's actions;
-    the time outside the schedule from the whole step less the schedule's wall time."""
-    stages = len(current.balance)
-    predicted = stage_costs(costs, stages, batch_size / current.microbatches, current.recompute, current.balance)
+    """``costs`` moved to what the stages of ``current`` measured: each stage's difference between its measured and
+    its predicted forward (and backward) is spread over its blocks as a time per call, the same at every micro-batch
+    size (what a miss usually is: allocations, launches, the interpreter; it makes fewer micro-batches pay); the
+    runtime's time per action from the gaps between a rank's actions; the time outside the schedule from the whole
+    step less the schedule's wall time."""
+    stages, size = len(current.balance), batch_size / current.microbatches
+    predicted = stage_costs(costs, stages, size, current.recompute, current.balance)
     seconds: dict[tuple[int, str], list[float]] = defaultdict(lambda: [0.0, 0.0])
     for rank in measured:
         for key, (total, count) in rank.compute.items():
             seconds[key][0] += total
             seconds[key][1] += count
 
-    def mean(stage: int, category: str) -> float:
-        total, count = seconds.get((stage, category), (0.0, 0.0))
-        return total / count if count else 0.0
+    def mean(stage: int, *categories: str) -> float | None:
+        counted = [seconds[(stage, c)] for c in categories if (stage, c) in seconds]
+        return sum(total / count for total, count in counted) if counted else None
 
-    def ratio(got: float, want: float) -> float:
-        return got / want if want > 0 and got > 0 else 1.0
-
-    forward = [ratio(mean(s, FORWARD), predicted.forward[s]) for s in range(stages)]
-    backward = [ratio(mean(s, BACKWARD) + mean(s, BACKWARD_INPUT) + mean(s, BACKWARD_WEIGHT),
-                      predicted.input_backward[s] + predicted.weight_backward[s]) for s in range(stages)]
+    forward, backward = [0.0] * stages, [0.0] * stages  # the difference per call, per stage
+    for s in range(stages):
+        got_forward, got_backward = mean(s, FORWARD), mean(s, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
+        forward[s] = got_forward - predicted.forward[s] if got_forward is not None else 0.0
+        backward[s] = (got_backward - predicted.input_backward[s] - predicted.weight_backward[s]
+                       if got_backward is not None else 0.0)
     stage_of = [s for s, count in enumerate(current.balance) for _ in range(count)]
+    i_now, w_now = costs.at(size, costs.input_backward), costs.at(size, costs.weight_backward)
 
-    def scaled(values: tuple[list[float], list[float]], by: list[float]) -> tuple[list[float], list[float]]:
-        return tuple([x * by[stage_of[k]] for k, x in enumerate(v)] for v in values)  # type: ignore[return-value]
+    def moved(values: tuple[list[float], list[float]], by: list[float], share: list[float]) -> Any:
+        return tuple([x + by[stage_of[k]] * share[k] / current.balance[stage_of[k]] for k, x in enumerate(v)]
+                     for v in values)
 
-    def ends(values: tuple[tuple[float, float], ...], stage: int) -> Any:
-        return tuple((f * forward[stage], b * backward[stage]) for f, b in values)
-
+    ones = [1.0] * len(stage_of)
+    input_share = [i / (i + w) if i + w > 0 else 1.0 for i, w in zip(i_now, w_now, strict=True)]
     per_action = [(r.wall - r.covered) / r.actions for r in measured if r.actions]
     windows = [w for r in measured for w in r.windows]
     wall = max((r.wall for r in measured), default=0.0)
     return dataclasses.replace(
-        costs, forward=scaled(costs.forward, forward), input_backward=scaled(costs.input_backward, backward),
-        weight_backward=scaled(costs.weight_backward, backward), before=ends(costs.before, 0),
-        after=ends(costs.after, stages - 1),
+        costs, forward=moved(costs.forward, forward, ones),
+        input_backward=moved(costs.input_backward, backward, input_share),
+        weight_backward=moved(costs.weight_backward, backward, [1 - x for x in input_share]),
         framework_s=max(0.0, statistics.median(per_action)) if per_action else costs.framework_s,
         outside_s=max(0.0, statistics.median(windows) - wall) if windows else costs.outside_s)
 
