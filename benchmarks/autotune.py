@@ -10,11 +10,12 @@ configuration's, not the machine's load):
   row, in one backward: nothing to split), the first 8 times as slow;
 - ``heavy head``: the uniform blocks, and after them a head as costly as 4 of them (in ``training_step``);
 - ``tight max_memory``: 8 blocks of width 1024 (their batch saves about 1 MiB), ``schedule="auto"`` given a
-  ``max_memory`` of 0.5 MiB, which rules out its choice without one.
+  ``max_memory`` of 0.4 MiB, which rules out its choice without one and ZB-H1 at 8 micro-batches.
 
 Per model, in one run: the hand default (1F1B, 4 micro-batches, an even split), a grid of hand configurations
 (schedules, micro-batch counts, ``balance="time"``; for the tight model the 1F1B-like ones, which hold the fewest
-micro-batches), and ``schedule="auto"``: its choice, its prediction and the measured step. Each configuration trains
+micro-batches, its best taken among those whose activations, measured by ``PipelineMonitor``, fit ``max_memory``),
+and ``schedule="auto"``: its choice, its prediction and the measured step. Each configuration trains
 ``L.Trainer(devices=2, strategy=PipelineParallelStrategy(...))`` in 2 fresh processes (one CPU thread each); the step
 is the window from one ``on_train_batch_start`` to the next (the whole step: schedule, result exchange, optimizer,
 Lightning's loop), median over the steps after the closed loop's decision (step 5). Printed as markdown and written to
@@ -35,7 +36,7 @@ RESULTS = Path(__file__).resolve().parent / "results" / "autotune.md"
 BLOCKS, BATCH, RANKS = 8, 32, 2
 WARMUP = 6  # steps left out: the closed loop decides at the start of step 5
 MODELS = ("uniform", "slow first", "heavy head", "tight max_memory")
-TIGHT_BYTES = 2**19  # max_memory of the tight model: auto's choice without it holds 0.8 MiB at once
+TIGHT_BYTES = 0.4 * 2**20  # max_memory of the tight model: the hand default holds 0.31 MiB at once, ZB-H1 0.52
 DEFAULT = {"schedule": "1f1b", "microbatches": 4}
 GRID: list[dict[str, Any]] = [
     {"schedule": "1f1b", "microbatches": 4, "balance": "time"},
@@ -124,7 +125,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
     import torch
     from torch.utils.data import DataLoader, TensorDataset
 
-    from lightning_pp import PipelineParallelStrategy
+    from lightning_pp import PipelineMonitor, PipelineParallelStrategy
 
     torch.set_num_threads(1)
     steps = WARMUP + spec["steps"] + 1  # the extra step's start ends the last timed one
@@ -134,12 +135,20 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
                          torch.randn(BATCH * steps, features, generator=generator))
     clock = batch_clock()
     strategy = PipelineParallelStrategy(**spec["strategy"])
+    # the tight model: activations held at once, measured at steps 0 and WARMUP (one of the timed steps)
+    monitor = PipelineMonitor(logging_interval=WARMUP, timeline_every_n_steps=0) if spec["meter"] else None
     trainer = L.Trainer(accelerator="cpu", devices=RANKS, strategy=strategy, max_steps=steps, logger=False,
                         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
-                        callbacks=[clock])
+                        callbacks=[clock] + ([monitor] if monitor else []))
     trainer.fit(build(spec["model"], spec["us_per_row"]), DataLoader(data, batch_size=BATCH))
     windows = [b - a for a, b in zip(clock.marks, clock.marks[1:], strict=False)][WARMUP:]
     telemetry, options = strategy.telemetry, strategy.resolved_options
+    peak = None
+    if monitor is not None and monitor.history:  # per rank: the sum of its stages' peaks
+        ranks = telemetry.last_schedule.stage_to_rank
+        last = monitor.history[-1]
+        peak = max(sum(last[f"pipeline/stage{s}/peak_memory_mb"] for s, r in enumerate(ranks) if r == rank)
+                   for rank in set(ranks)) * 2**20
     return {"steps_s": windows, "config": f"{options.schedule} m={options.microbatches}"
             + (f" v={options.stages_per_rank}" if (options.stages_per_rank or 1) > 1 else "")
             + f" split={options.balance}",
@@ -147,7 +156,7 @@ def worker(spec: dict[str, Any]) -> dict[str, Any]:
             "first_s": telemetry.auto_first_choice.step_s if telemetry.auto_first_choice else None,
             "chosen": telemetry.auto_choice.describe() if telemetry.auto_choice else None,
             "predicted_s": telemetry.auto_choice.step_s if telemetry.auto_choice else None,
-            "loop_measured_s": telemetry.auto_measured_step_s}
+            "loop_measured_s": telemetry.auto_measured_step_s, "peak_bytes": peak}
 
 
 def label(strategy: dict[str, Any]) -> str:
@@ -157,11 +166,13 @@ def label(strategy: dict[str, Any]) -> str:
 
 
 def run(model: str, strategy: dict[str, Any], args: argparse.Namespace) -> dict[str, Any]:
-    spec = {"model": model, "strategy": strategy, "steps": args.steps, "us_per_row": args.us_per_row}
+    spec = {"model": model, "strategy": strategy, "steps": args.steps, "us_per_row": args.us_per_row,
+            "meter": model == "tight max_memory"}
     result = run_workers(__file__, RANKS, spec, timeout=900)
     result["median_s"] = statistics.median(result["steps_s"])
+    peak = f", peak activations {result['peak_bytes'] / 2**20:.2f} MiB" if result["peak_bytes"] is not None else ""
     print(f"{model}: {label(strategy) if strategy['schedule'] != 'auto' else 'auto'} ran {result['config']}, "
-          f"median step {1e3 * result['median_s']:.1f} ms", flush=True)
+          f"median step {1e3 * result['median_s']:.1f} ms{peak}", flush=True)
     return result
 
 
@@ -171,8 +182,11 @@ def measure(model: str, args: argparse.Namespace) -> dict[str, Any]:
     default = run(model, DEFAULT, args)
     hand = [(label(c), run(model, c, args)) for c in grid]
     auto = run(model, {"schedule": "auto", **({"max_memory": TIGHT_BYTES} if tight else {})}, args)
-    best_label, best = min([*hand, ("hand default", default)], key=lambda item: item[1]["median_s"])
-    return {"default": default, "best_label": best_label, "best": best, "auto": auto}
+    # the tight model's grid: the hand configurations whose measured activations fit max_memory
+    fitting = [(name, r) for name, r in [*hand, ("hand default", default)]
+               if r["peak_bytes"] is None or r["peak_bytes"] <= TIGHT_BYTES]
+    best_label, best = min(fitting or [("hand default", default)], key=lambda item: item[1]["median_s"])
+    return {"default": default, "hand": hand, "best_label": best_label, "best": best, "auto": auto}
 
 
 def table(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
@@ -182,6 +196,7 @@ def table(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
              f"missed by more than 25 %).", "",
              "| model | hand default ms | grid's best (ms) | auto ran | predicted ms (off) | closed loop | "
              "measured ms | auto / default | auto / grid's best |", "|---|---|---|---|---|---|---|---|---|"]
+    notes: list[str] = []
     for model, row in rows.items():
         auto, default, best = row["auto"], row["default"]["median_s"], row["best"]["median_s"]
         measured = auto["median_s"]
@@ -199,7 +214,12 @@ def table(rows: dict[str, dict[str, Any]], args: argparse.Namespace) -> str:
         lines.append(f"| {model} | {1e3 * default:.1f} | {row['best_label']} ({1e3 * best:.1f}) | {auto['config']} | "
                      f"{off(auto['first_s']) if auto['first_s'] else ''} | {loop} | {1e3 * measured:.1f} | "
                      f"{measured / default:.2f} | {measured / best:.2f} |")
-    return "\n".join(lines) + "\n"
+        if row["default"]["peak_bytes"] is not None:
+            peaks = ", ".join(f"{name} {r['peak_bytes'] / 2**20:.2f}" for name, r in [
+                ("hand default", row["default"]), *row["hand"], ("auto", auto)])
+            notes.append(f"{model}: activations held at once per rank, MiB (max_memory {TIGHT_BYTES / 2**20:g}): "
+                         f"{peaks}.")
+    return "\n".join([*lines, "", *notes]) + "\n"
 
 
 def main(argv: list[str] | None = None) -> None:
