@@ -3,6 +3,9 @@ hand (single process), and every rank switching at the same step while training 
 
 from __future__ import annotations
 
+import dataclasses
+import re
+
 import pytest
 from _launch import launch
 from support import assert_trains_like, reference
@@ -76,10 +79,14 @@ def test_the_measured_costs_move_each_stage_to_what_it_took() -> None:
 def test_a_step_within_the_margin_keeps_the_choice() -> None:
     measured = costs()
     current = configuration(measured, "1f1b", 4, (4, 4))
-    decided = rechoose(searched(measured), current, measurement(measured, current,
-                                                                window_s=(1 + MISS - 0.05) * current.step_s), False)
-    assert not decided.missed and not decided.switch and decided.chosen is current
-    assert "(+20 %)" in decided.message and "more than" not in decided.message
+    ranks = measurement(measured, current, slower=(1 + MISS - 0.05,) * 2, window_s=2 * current.step_s)
+    decided = rechoose(searched(measured), current, ranks, False)
+    assert not decided.missed and not decided.switch and "(+20 %)" in decided.message
+    assert "more than" not in decided.message
+    # from then on, the prediction is the whole step's: the time outside the schedule measured is added
+    outside = 2 * current.step_s - ranks[0].wall
+    assert decided.chosen == dataclasses.replace(current, step_s=current.step_s + outside)
+    assert f"{1e3 * outside:.1f} ms of it outside the schedule" in decided.message
 
 
 def test_a_missed_step_with_costly_actions_switches_to_fewer_microbatches_keeping_the_split() -> None:
@@ -106,8 +113,8 @@ def test_a_faster_split_is_named_for_the_next_run_not_switched_to() -> None:
     decided = rechoose(searched(measured), current, measurement(measured, current, slower=(4.0, 1.0)), False)
     assert decided.missed and decided.chosen.balance == (4, 4)
     named = decided.message.splitlines()[-1]
-    assert named.startswith("A configuration that moves blocks is predicted faster"), decided.message
-    assert "To run it, name it: schedule=" in named and "balance=[" in named and "balance=[4, 4]" not in named
+    assert named.startswith("A configuration that places blocks otherwise is predicted faster"), decided.message
+    assert "name it for the next one: schedule=" in named and "balance=[" in named and "balance=[4, 4]" not in named
 
 
 @pytest.mark.multiprocess
@@ -115,8 +122,8 @@ def test_a_faster_split_is_named_for_the_next_run_not_switched_to() -> None:
 def test_the_closed_loop_switches_every_rank_at_the_same_step_and_trains_as_one_device() -> None:
     """2 ranks, 8 steps: (a) a switch decided on rank 0 (forced: 1F1B and GPipe trade places, another micro-batch
     count) runs on both ranks from step 5 on, and training equals one device's; (b) a loop that sleeps 0.3 s per step
-    outside the schedule misses the prediction: rank 0 says so and stays (that time is the same for every
-    configuration)."""
+    outside the schedule is reported as such, not as a miss of the schedule's prediction (that time is the same for
+    every configuration), and the choice stays."""
     runs = [{"scenario": "tuning_scenarios:auto_recording_schedules",
              "kwargs": {"model": "mlp", "max_steps": 8, "stages_per_rank": 1, "force_switch": True}},
             {"scenario": "tuning_scenarios:auto_recording_schedules",
@@ -132,6 +139,7 @@ def test_the_closed_loop_switches_every_rank_at_the_same_step_and_trains_as_one_
     assert "forced: switching to" in ranks[0].output
     kept = [rank.results[1]["schedules"] for rank in ranks]
     assert kept[0] == kept[1] and len(set(kept[0])) == 1, kept
-    missed = [line for line in ranks[0].output.splitlines() if "schedule='auto' predicted" in line]
-    assert len(missed) == 2 and "more than 25 % off" in missed[1], ranks[0].output[-3000:]
-    assert "staying with it" in ranks[0].output
+    said = [line for line in ranks[0].output.splitlines() if "schedule='auto' predicted" in line]
+    assert len(said) == 2, ranks[0].output[-3000:]
+    outside = re.search(r"the whole step took [\d.]+ ms, ([\d.]+) ms of it outside the schedule", said[1])
+    assert outside is not None and float(outside.group(1)) >= 250, said[1]

@@ -188,6 +188,9 @@ class StageSession:
                 assert switched.microbatches is not None
                 self.schedules.switch(str(switched.schedule), switched.microbatches)
                 self.microbatches = self.driver.microbatches = switched.microbatches
+                for logger in self.module.trainer.loggers:  # (they write on global rank 0 only)
+                    logger.log_hyperparams({"pipeline_auto/schedule": switched.schedule,
+                                            "pipeline_auto/microbatches": switched.microbatches})
         elif self.auto is not None:
             self.auto.evaluation_step()
         placing = self.assembly.placing

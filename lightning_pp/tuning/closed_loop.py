@@ -1,5 +1,7 @@
 """``schedule="auto"``'s closed loop: measure the chosen configuration over the first training steps and, where the
-measured step misses the prediction by more than :data:`MISS`, say so and re-choose from the measured costs.
+schedule's measured time misses the prediction by more than :data:`MISS`, say so and re-choose from the measured
+costs. (The step's time outside the schedule, the optimizer's and Lightning's loop's, is the same for every
+configuration: it is measured and reported apart, and added to the predictions from then on.)
 
 Steps ``0 .. WARMUP-1`` are left out (the first step builds the optimizer's state and connects the transfers); the
 whole step (one ``training_step`` start to the next, Lightning's loop and the optimizer included) is timed over the
@@ -65,17 +67,19 @@ class AutoSearch:
 
 @dataclass
 class StepMeasurement:
-    """One rank's measurements: ``windows`` (seconds of whole steps); of the timed step, per (stage, category) the
-    seconds and count of its compute, the schedule's wall time on this rank, the seconds its events cover and the
-    count of its actions."""
+    """One rank's measurements: ``windows`` (seconds of whole steps); of the timed step, its samples, per (stage,
+    category) the seconds and count of its compute, the schedule's wall time on this rank, the seconds its events
+    cover and the count of its actions."""
 
     windows: list[float] = field(default_factory=list)
+    samples: int = 0
     compute: dict[tuple[int, str], tuple[float, int]] = field(default_factory=dict)
     wall: float = 0.0
     covered: float = 0.0
     actions: int = 0
 
-    def read(self, events: list[TimelineEvent]) -> None:
+    def read(self, events: list[TimelineEvent], samples: int) -> None:
+        self.samples = samples
         totals: dict[tuple[int, str], list[float]] = defaultdict(list)
         for event in events:
             if event.category in (FORWARD, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT):
@@ -105,8 +109,9 @@ def calibrate(costs: MeasuredCosts, current: Candidate, batch_size: int,
     its predicted forward (and backward) is spread over its blocks as a time per call, the same at every micro-batch
     size (what a miss usually is: allocations, launches, the interpreter; it makes fewer micro-batches pay); the
     runtime's time per action from the gaps between a rank's actions; the time outside the schedule from the whole
-    step less the schedule's wall time."""
-    stages, size = len(current.balance), batch_size / current.microbatches
+    step less the schedule's wall time. ``batch_size``: the timed step's, where it did not say."""
+    stages = len(current.balance)
+    size = next((r.samples for r in measured if r.samples), batch_size) / current.microbatches
     predicted = stage_costs(costs, stages, size, current.recompute, current.balance)
     seconds: dict[tuple[int, str], list[float]] = defaultdict(lambda: [0.0, 0.0])
     for rank in measured:
@@ -114,16 +119,20 @@ def calibrate(costs: MeasuredCosts, current: Candidate, batch_size: int,
             seconds[key][0] += total
             seconds[key][1] += count
 
-    def mean(stage: int, *categories: str) -> float | None:
-        counted = [seconds[(stage, c)] for c in categories if (stage, c) in seconds]
-        return sum(total / count for total, count in counted) if counted else None
+    def per_microbatch(stage: int, categories: tuple[str, ...], counted: tuple[str, ...]) -> float | None:
+        """Seconds of ``categories`` per micro-batch (those of ``counted`` are one per micro-batch: DualPipeV runs
+        some backwards whole, B, and some split, I then W)."""
+        count = sum(seconds[(stage, c)][1] for c in counted if (stage, c) in seconds)
+        return sum(seconds[(stage, c)][0] for c in categories if (stage, c) in seconds) / count if count else None
 
     forward, backward = [0.0] * stages, [0.0] * stages  # the difference per call, per stage
     for s in range(stages):
-        got_forward, got_backward = mean(s, FORWARD), mean(s, BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT)
-        forward[s] = got_forward - predicted.forward[s] if got_forward is not None else 0.0
-        backward[s] = (got_backward - predicted.input_backward[s] - predicted.weight_backward[s]
-                       if got_backward is not None else 0.0)
+        got = per_microbatch(s, (FORWARD,), (FORWARD,))
+        forward[s] = got - predicted.forward[s] if got is not None else 0.0
+        got = per_microbatch(s, (BACKWARD, BACKWARD_INPUT, BACKWARD_WEIGHT), (BACKWARD, BACKWARD_INPUT))
+        backward[s] = got - predicted.input_backward[s] - predicted.weight_backward[s] if got is not None else 0.0
+        if current.recompute:  # the backward's recomputed forward: its difference is the forward's, counted there
+            backward[s] -= forward[s]
     stage_of = [s for s, count in enumerate(current.balance) for _ in range(count)]
     i_now, w_now = costs.at(size, costs.input_backward), costs.at(size, costs.weight_backward)
 
@@ -131,13 +140,12 @@ def calibrate(costs: MeasuredCosts, current: Candidate, batch_size: int,
         return tuple([x + by[stage_of[k]] * share[k] / current.balance[stage_of[k]] for k, x in enumerate(v)]
                      for v in values)
 
-    ones = [1.0] * len(stage_of)
     input_share = [i / (i + w) if i + w > 0 else 1.0 for i, w in zip(i_now, w_now, strict=True)]
     per_action = [(r.wall - r.covered) / r.actions for r in measured if r.actions]
     windows = [w for r in measured for w in r.windows]
     wall = max((r.wall for r in measured), default=0.0)
     return dataclasses.replace(
-        costs, forward=moved(costs.forward, forward, ones),
+        costs, forward=moved(costs.forward, forward, [1.0] * len(stage_of)),
         input_backward=moved(costs.input_backward, backward, input_share),
         weight_backward=moved(costs.weight_backward, backward, [1 - x for x in input_share]),
         framework_s=max(0.0, statistics.median(per_action)) if per_action else costs.framework_s,
@@ -150,44 +158,52 @@ def _describe(candidate: Candidate) -> str:
 
 def rechoose(searched: AutoSearch, current: Candidate, measured: Sequence[StepMeasurement],
              keep_microbatches: bool) -> Rechoice:
-    """Compare the measured step with ``current``'s prediction; past :data:`MISS`, re-choose from the calibrated costs
-    among the configurations that keep every block where it is (``keep_microbatches``: the count too)."""
+    """Compare the schedule's measured wall time with ``current``'s prediction (the time outside the schedule is the
+    same for every configuration, and reported apart); past :data:`MISS`, re-choose from the calibrated costs among
+    the configurations that keep every block where it is (``keep_microbatches``: the count too). ``chosen``'s
+    prediction then includes the measured time outside the schedule."""
     windows = [w for r in measured for w in r.windows]
-    if not windows:
-        return Rechoice(0.0, False, current, False, "schedule='auto' could not time a whole training step: an "
-                        "evaluation ran within each of steps 1-4; its choice stays")
+    schedule_s = max((r.wall for r in measured), default=0.0)
+    if not windows or not schedule_s:
+        return Rechoice(0.0, False, current, False, "schedule='auto' could not time its training steps (an "
+                        "evaluation ran within each of steps 1-4, or no step ran its schedule); its choice stays")
     step = statistics.median(windows)
-    miss = step / current.step_s - 1
-    said = (f"schedule='auto' predicted {1e3 * current.step_s:.1f} ms per step for {current.schedule} "
-            f"m={current.microbatches} split={list(current.balance)} and measured {1e3 * step:.1f} ms "
-            f"({100 * miss:+.0f} %)")
+    outside, miss = max(0.0, step - schedule_s), schedule_s / current.step_s - 1
+    said = (f"schedule='auto' predicted {1e3 * current.step_s:.1f} ms for the schedule of {current.schedule} "
+            f"m={current.microbatches} split={list(current.balance)} and measured {1e3 * schedule_s:.1f} ms "
+            f"({100 * miss:+.0f} %); the whole step took {1e3 * step:.1f} ms, {1e3 * outside:.1f} ms of it outside the "
+            f"schedule (the optimizer, Lightning's loop)")
     if abs(miss) <= MISS:
-        return Rechoice(step, False, current, False, said)
+        return Rechoice(step, False, dataclasses.replace(current, step_s=current.step_s + outside), False, said)
     costs = calibrate(searched.costs, current, searched.batch_size, measured)
     ranks, v = searched.num_ranks, current.stages_per_rank
-    placed = candidate_schedule(current.schedule, ranks, current.microbatches, v)
-    assert placed is not None  # (it runs)
+
+    def placement(c: Candidate) -> tuple[Any, ...]:
+        schedule = candidate_schedule(c.schedule, ranks, c.microbatches, c.stages_per_rank)
+        assert schedule is not None  # (searched: it builds)
+        return c.balance, c.recompute, schedule.stage_to_rank
+
     microbatches = current.microbatches if keep_microbatches else searched.microbatches
     here = [c for c in search(costs, ranks, searched.batch_size, max_memory=searched.max_memory,
                               microbatches=microbatches, stages_per_rank=v, balance=current.balance,
-                              recompute=current.recompute)
-            if (candidate_schedule(c.schedule, ranks, c.microbatches, v) or placed).stage_to_rank
-            == placed.stage_to_rank]
+                              recompute=current.recompute) if placement(c) == placement(current)]
     staying = next(c for c in here if (c.schedule, c.microbatches) == (current.schedule, current.microbatches))
     best = here[0]
     switch = best is not staying and best.step_s < _BETTER * staying.step_s
     chosen = best if switch else staying
     lines = [f"{said}: more than {100 * MISS:.0f} % off. From the measured costs it predicts {_describe(staying)}; "
-             + (f"switching to {_describe(best)} from this step on, every block where it is"
-                if switch else "staying with it, the fastest that keeps every block where it is")]
-    anywhere = search(costs, ranks, searched.batch_size, max_memory=searched.max_memory,
-                      microbatches=searched.microbatches, stages_per_rank=searched.stages_per_rank,
-                      balance=searched.balance, recompute=searched.recompute)[0]
-    if anywhere.step_s < _BETTER * chosen.step_s:
-        lines.append(f"A configuration that moves blocks is predicted faster: {anywhere.describe()}. To run it, name "
-                     f"it: schedule={anywhere.schedule!r}, microbatches={anywhere.microbatches}, "
-                     f"balance={list(anywhere.balance)}"
-                     + (f", stages_per_rank={anywhere.stages_per_rank}" if anywhere.stages_per_rank > 1 else ""))
+             + (f"switching to {_describe(best)} from this step on, every block where it is" if switch else
+                f"staying with it, within {100 * (1 - _BETTER):.0f} % of the fastest that keeps every block where it "
+                f"is")]
+    anywhere = search(costs, ranks, searched.batch_size, max_memory=searched.max_memory, microbatches=microbatches,
+                      stages_per_rank=searched.stages_per_rank, balance=searched.balance,
+                      recompute=searched.recompute)[0]
+    if placement(anywhere) != placement(current) and anywhere.step_s < _BETTER * chosen.step_s:
+        lines.append(f"A configuration that places blocks otherwise is predicted faster: {anywhere.describe()}. A run "
+                     f"cannot switch to it; name it for the next one: schedule={anywhere.schedule!r}, "
+                     f"microbatches={anywhere.microbatches}, balance={list(anywhere.balance)}"
+                     + (f", stages_per_rank={anywhere.stages_per_rank}" if anywhere.stages_per_rank > 1 else "")
+                     + (", activation_checkpointing=True" if anywhere.recompute else ""))
     return Rechoice(step, True, chosen, switch, "\n".join(lines))
 
 
@@ -222,7 +238,7 @@ class AutoChoice:
         if step == WARMUP + WINDOWS:  # timed: the events give the stages' costs
 
             def read(events: list[TimelineEvent], samples: int) -> None:
-                self._measurement.read(events)
+                self._measurement.read(events, samples)
                 if sink is not None:
                     sink(events, samples)
 
