@@ -79,8 +79,8 @@ def delayed_reference(model: str, **options: Any) -> Result:
 def single_device_grads_at(want: Result, weights: list[dict[str, torch.Tensor]]) -> list[dict[str, torch.Tensor]]:
     """The gradients the single-device run of `reference` ``want`` hands its optimizer when every step starts from
     ``weights[step]`` (a pipelined run's): the same batch, clipping and accumulation, none of the drift."""
-    return fit(**want["recipe"], record_steps=True, after_fit=(),
-               callbacks=[LoadWeightsEachStep(weights)]).result["grads"]
+    again = {**want["recipe"], "record_steps": True, "after_fit": (), "callbacks": [LoadWeightsEachStep(weights)]}
+    return fit(**again).result["grads"]
 
 
 def single_device_state(**options: Any) -> dict[str, torch.Tensor]:
