@@ -3,17 +3,18 @@ schedule's measured time misses the prediction by more than :data:`MISS`, say so
 costs. (The step's time outside the schedule, the optimizer's and Lightning's loop's, is the same for every
 configuration: it is measured and reported apart, and added to the predictions from then on.)
 
-Steps ``0 .. WARMUP-1`` are left out (the first step builds the optimizer's state and connects the transfers); the
-whole step (one ``training_step`` start to the next, Lightning's loop and the optimizer included) is timed over the
-next :data:`WINDOWS` steps, and the step after them runs with the runtime's timeline, as ``PipelineMonitor`` times one.
-At the start of the next step every rank hands what it measured to global rank 0, which decides and tells every rank
-(:func:`rechoose`): all switch before that same step. The measured costs are the prediction's costs scaled, per stage,
-to the forward and backward times the stages took, the runtime's own time per action as measured between actions, and
-the step's time outside the schedule. A switch keeps every block where it is (the split, the stages of each rank,
-activation checkpointing) and what the user fixed: the schedule and the micro-batch count may change, which changes
-no result (a schedule computes what one device does; a batch's gradient is the same over any count of micro-batches).
-Micro-batches stay as they are where the module computes batch statistics (batch norm), whose result depends on them.
-Where a faster configuration would move blocks, the log names it, to be set for the next run.
+Training batches ``0 .. WARMUP-1`` are left out (the first builds the optimizer's state and connects the transfers);
+the whole step (one ``training_step`` start to the next, Lightning's loop and the optimizer included) is timed over the
+next :data:`WINDOWS` batches, and the batch after them runs with the runtime's timeline, as ``PipelineMonitor`` times
+one. At the start of the next batch every rank hands what it measured to global rank 0, which decides and tells every
+rank (:func:`rechoose`): all switch before that same batch. The measured costs (:func:`calibrate`) are the
+prediction's, each stage's forward and backward moved to what they took, the runtime's own time per action as
+measured between actions, and the step's time outside the schedule. A switch keeps every block where it is (the
+split, the stages of each rank, activation checkpointing) and what the user fixed: the schedule and the micro-batch
+count may change, which changes no result for a loss averaged over samples (a schedule computes what one device does;
+a batch's gradient is the same over any count of micro-batches). Micro-batches stay as they are where the module
+computes batch statistics (batch norm), whose result depends on them. Where a configuration that places blocks
+otherwise is predicted faster, the log names it, to be set for the next run.
 """
 
 from __future__ import annotations
@@ -44,8 +45,8 @@ __all__ = ["MISS", "AutoChoice", "AutoSearch", "Rechoice", "StepMeasurement", "c
 
 log = get_logger(__name__)
 
-MISS = 0.25  # a measured step this far from the prediction (either way) re-chooses
-WARMUP, WINDOWS = 1, 3  # steps left out, whole steps timed; the next one runs timed, the one after it decides
+MISS = 0.25  # a schedule's measured time this far from the prediction (either way) re-chooses
+WARMUP, WINDOWS = 1, 3  # batches left out, whole steps timed; the next one runs timed, the one after it decides
 _BETTER = 0.95  # a switch must be predicted at least 5 % faster than staying
 Sink = Callable[[list[TimelineEvent], int], None]
 
