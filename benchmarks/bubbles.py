@@ -16,9 +16,9 @@ Per schedule, the medians over the steps after the warm-up of:
   (what the schedule gives with this machine's actual compute times, free transfers);
 - **measured**: ``pipeline/bubble_fraction``, and measured minus theory.
 
-The tests (tests/test_monitor.py) check that each schedule runs as scheduled, which holds however busy the machine;
-how close the measured bubble comes to theory is this benchmark's to say (under load it drifts: a DualPipeV step once
-measured 0.110 against 0.059 on a busy CI machine). Printed as markdown and written to
+The tests (tests/multi_process/test_monitor_multiprocess.py) check that each schedule runs as scheduled, which holds
+however busy the machine; how close the measured bubble comes to theory is this benchmark's to say (under load it
+drifts: a DualPipeV step once measured 0.110 against 0.059 on a busy CI machine). Printed as markdown and written to
 ``benchmarks/results/bubbles.md``.
 """
 

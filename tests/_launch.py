@@ -188,6 +188,17 @@ def _read_rank(out: Path, file_rank: int, num_runs: int, returncode: int | None,
     return RankResult(returncode, results, errors, output, node_output)
 
 
+# the node id of the single-process test running now (set by conftest.py for every test outside multi_process/)
+single_process_test: str | None = None
+
+
+def _check_tier(caller: str) -> None:
+    """A single-process test starts no process: the tiers are told apart by folder (conftest.py)."""
+    if single_process_test is not None:
+        raise RuntimeError(f"{caller}() starts processes, which a single-process test must not: move "
+                           f"{single_process_test} to tests/multi_process/ (its tests are marked multiprocess)")
+
+
 def _check_timeout(caller: str, timeout: float) -> None:
     if not 0 < timeout <= MAX_TIMEOUT_S:
         raise ValueError(f"{caller}(timeout={timeout}) must be in (0, {MAX_TIMEOUT_S}] s: pytest's per-test timeout "
@@ -241,6 +252,7 @@ def launch(world_size: int, runs: list[dict[str, Any]], timeout: float = DEFAULT
         ValueError: ``timeout`` is not positive or exceeds ``MAX_TIMEOUT_S``.
         LaunchTimeoutError: the job ran longer than ``timeout`` seconds (its processes are killed first).
     """
+    _check_tier("launch")
     _check_timeout("launch", timeout)
     pools = _pools
     if (pools is None or fresh or any(run["scenario"] in FRESH_SCENARIOS for run in runs)
@@ -280,6 +292,7 @@ def launch_processes(command: list[str], world_size: int, timeout: float, *, env
     ``timeout`` s have passed, or ``after_failure`` s after one failed (the others are killed then: they would wait
     for it until their own timeouts; None: wait for them). Every process (and whatever it started) is dead when this
     returns or raises, however it ends: as in `launch`. Each process's output is kept (``outputs``)."""
+    _check_tier("launch_processes")
     if timeout <= 0:
         raise ValueError(f"launch_processes(timeout={timeout}) must be positive")
     base = dict(os.environ, **(env or {}))
@@ -492,6 +505,7 @@ def worker_pools(max_processes: int = POOL_PROCESSES) -> Iterator[WorkerPools | 
 def run_script(args: list[str], timeout: float, **popen: Any) -> subprocess.CompletedProcess[str]:
     """Run a script that starts processes of its own (Lightning's launcher, the benchmark's workers) like
     ``subprocess.run(capture_output=True, text=True)``; however it ends, its whole process group is SIGKILLed."""
+    _check_tier("run_script")
     proc = subprocess.Popen(args, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, start_new_session=True,
                             **popen)
     try:
@@ -643,6 +657,7 @@ def launch_torchrun(nnodes: int, nproc_per_node: int, runs: list[dict[str, Any]]
         ValueError: ``timeout`` is not positive or exceeds ``MAX_TIMEOUT_S``.
         LaunchTimeoutError: the job ran longer than ``timeout`` seconds (its processes are killed first).
     """
+    _check_tier("launch_torchrun")
     _check_timeout("launch_torchrun", timeout)
     deadline = time.monotonic() + timeout
     for attempt in range(3):

@@ -1,17 +1,44 @@
 """One compute thread in the test process too, like every rank: single-device references then sum in the same order.
-Multi-process jobs run on warm ranks kept for the session (see _launch.py)."""
+Multi-process jobs run on warm ranks kept for the session (see _launch.py).
+
+The tiers go by folder: every test under ``multi_process/`` is marked ``multiprocess`` here (no test marks itself);
+every other test (``single_process/``) is single-process, and `_launch`'s launchers refuse to run under it."""
 
 import os
 import signal
-from collections.abc import Iterator
+from collections.abc import Generator, Iterator
+from pathlib import Path
 
+import _launch
 import pytest
 import torch
 from _launch import worker_pools
 
+MULTI_PROCESS = Path(__file__).parent / "multi_process"
+
 # the shared helpers (see support.py) assert as a test module does: pytest reports the values that differ
 pytest.register_assert_rewrite("support")
 torch.set_num_threads(1)
+
+
+def pytest_collection_modifyitems(items: list[pytest.Item]) -> None:
+    for item in items:
+        if item.path.is_relative_to(MULTI_PROCESS):
+            item.add_marker(pytest.mark.multiprocess)
+        elif item.get_closest_marker("multiprocess"):
+            raise pytest.UsageError(f"{item.nodeid} is marked multiprocess: move it to tests/multi_process/, whose "
+                                    "tests conftest.py marks (and only those)")
+
+
+@pytest.hookimpl(wrapper=True)
+def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object]:
+    """Outside multi_process/ (setup, call and teardown), `_launch`'s launchers raise: a single-process test starts no
+    process."""
+    _launch.single_process_test = None if item.get_closest_marker("multiprocess") else item.nodeid
+    try:
+        return (yield)
+    finally:
+        _launch.single_process_test = None
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -1,5 +1,5 @@
-"""What a rank does in the tests of the launcher's warm ranks (tests/test_launch.py): leave state behind, then look at
-what the next job finds. Run by _worker.py as ``launch_scenarios:name``."""
+"""What a rank does in the tests of the launcher's warm ranks (tests/multi_process/test_launch.py): leave state behind,
+then look at what the next job finds. Run by _worker.py as ``launch_scenarios:name``."""
 
 from __future__ import annotations
 

@@ -1,5 +1,6 @@
-"""What a rank does in the tests of how a job ends (tests/test_teardown.py): a failure with a callback that saves on
-exception, a SIGTERM to every rank, and many fits in one process. Run by _worker.py as ``teardown_scenarios:name``."""
+"""What a rank does in the tests of how a job ends (tests/multi_process/test_teardown.py): a failure with a callback
+that saves on exception, a SIGTERM to every rank, and many fits in one process.
+Run by _worker.py as ``teardown_scenarios:name``."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """Schedule generators: compute-only action lists, one per rank. The pictures below are unit-cost timelines (every
 compute action one tick) for 4 ranks x 8 micro-batches, as drawn by `simulate.format_timeline`;
-`tests/test_schedules.py` asserts them. With several stages per rank a cell is the whole action, stage included
-(`4F1`: stage 4 forwards micro-batch 1)."""
+`tests/single_process/test_schedules.py` asserts them. With several stages per rank a cell is the whole action, stage
+included (`4F1`: stage 4 forwards micro-batch 1)."""
 
 from __future__ import annotations
 
