@@ -12,9 +12,11 @@ batch size (at most :data:`MAX_MICROBATCHES`), the split that balances each cand
 (:func:`~lightning_pp.schedule.partition.min_max_partition` on F + I + W at its micro-batch size), and activation
 checkpointing of every block, under a memory budget on the activations a rank holds at once. Each candidate's schedule
 is the same data the runtime executes, timed by the one executor (:func:`~lightning_pp.schedule.simulate.simulate`): an
-action costs its measured time plus the framework time; a send costs the message's latency plus its bytes. The fastest
-prediction wins; ties go to the simpler configuration (fewer micro-batches, one stage per rank). Recomputation is chosen
-only where no configuration without it fits the budget."""
+action costs its measured time at its micro-batch's size (a batch that does not divide evenly gives the first
+micro-batches a sample more, as the runtime does) plus the framework time; a send costs the message's latency plus
+its bytes. The split balances the mean micro-batch. The fastest prediction wins; ties go to the simpler configuration
+(fewer micro-batches, one stage per rank). Recomputation is chosen only where no configuration without it fits the
+budget."""
 
 from __future__ import annotations
 
@@ -145,29 +147,33 @@ def stage_costs(costs: MeasuredCosts, stages: int, microbatch: float, recompute:
 
 def _evaluate(costs: MeasuredCosts, schedule: Schedule, batch_size: int, recompute: bool,
               balance: Sequence[int] | None) -> Candidate:
-    staged = stage_costs(costs, schedule.num_stages, batch_size / schedule.num_microbatches, recompute, balance)
-    forward, input_b, weight_b, sent = staged.forward, staged.input_backward, staged.weight_backward, staged.sent
+    m = schedule.num_microbatches
+    base, extra = divmod(batch_size, m)  # the runtime's split: the first `extra` micro-batches get a sample more
+    staged = stage_costs(costs, schedule.num_stages, batch_size / m, recompute, balance)
+    by_size = {size: stage_costs(costs, schedule.num_stages, size, recompute, staged.split)
+               for size in {base, base + (1 if extra else 0)}}
+    of = [by_size[base + (1 if mb < extra else 0)] for mb in range(m)]
 
     def cost(action: Action) -> float:
-        s, kind = action.stage, action.type
+        s, kind, at = action.stage, action.type, of[action.microbatch]
         if kind is ActionType.FORWARD:
-            return forward[s] + costs.framework_s
+            return at.forward[s] + costs.framework_s
         if kind is ActionType.BACKWARD:
-            return input_b[s] + weight_b[s] + costs.framework_s
+            return at.input_backward[s] + at.weight_backward[s] + costs.framework_s
         if kind is ActionType.BACKWARD_INPUT:
-            return input_b[s] + costs.framework_s
+            return at.input_backward[s] + costs.framework_s
         if kind is ActionType.BACKWARD_WEIGHT:
-            return weight_b[s] + costs.framework_s
+            return at.weight_backward[s] + costs.framework_s
         return costs.framework_s / 2  # posting a send or a receive; the message flies meanwhile (below)
 
     def in_flight(send: Action) -> float:  # an activation forward, a gradient of the same size back
         source = send.stage if send.type is ActionType.SEND_F else send.stage - 1
-        return costs.latency_s + sent[source] * costs.seconds_per_byte
+        return costs.latency_s + of[send.microbatch].sent[source] * costs.seconds_per_byte
 
     timeline = simulate(schedule, cost, in_flight)
-    return Candidate(schedule.name, schedule.stages_per_rank, schedule.num_microbatches, staged.split, recompute,
+    return Candidate(schedule.name, schedule.stages_per_rank, m, staged.split, recompute,
                      timeline.makespan + costs.outside_s, timeline.bubble_fraction(),
-                     _peak_held(schedule, staged.held))
+                     _peak_held(schedule, max(by_size.values(), key=lambda c: sum(c.held)).held))
 
 
 def _peak_held(schedule: Schedule, held: list[float]) -> float:

@@ -134,3 +134,13 @@ def test_auto_outside_fit_runs_the_default_keeping_what_is_fixed(caplog: pytest.
     assert strategy.options.schedule == "auto"
     assert "schedule='auto' runs the default configuration (interleaved_1f1b): trainer.validate does not train" in (
         caplog.text)
+
+
+def test_a_batch_that_does_not_divide_is_timed_at_its_micro_batches_sizes() -> None:
+    """33 samples in 4 micro-batches are 9, 8, 8, 8 (the runtime's split), not 8.25 each: the 9-sample micro-batch
+    crosses every stage, so the step costs more than a quarter of the way from 32 samples to 36."""
+    def step(batch: int) -> float:
+        return next(c for c in search(costs(slow_first=1.0), num_ranks=2, batch_size=batch, microbatches=4,
+                                      balance=[4, 4], recompute=False) if c.schedule == "1f1b").step_s
+
+    assert step(33) > step(32) + 0.25 * (step(36) - step(32)) + 1e-6
