@@ -52,27 +52,14 @@ LOW_MEMORY = ("1f1b", "zb_h1")  # hold at most as many micro-batches as ranks: t
 
 def build(model: str, us_per_row: float) -> Any:
     """The LightningModule of ``model`` (see the module docstring)."""
-    import time
-
     import lightning as L
     import torch
     from torch import nn
 
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tests"))
+    from models import _Sleep as Rows  # identity whose forward and backward sleep the seconds given
+
     per_row = us_per_row / 1e6
-
-    class Rows(torch.autograd.Function):
-        """Identity; the forward sleeps ``forward`` seconds and the backward ``backward``."""
-
-        @staticmethod
-        def forward(ctx: Any, x: torch.Tensor, forward: float, backward: float) -> torch.Tensor:
-            ctx.backward = backward
-            time.sleep(forward)
-            return x.clone()
-
-        @staticmethod
-        def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None]:
-            time.sleep(ctx.backward)
-            return grad, None, None
 
     class Split(nn.Module):
         """F, I and W each sleep ``seconds`` per row: the weight's path joins the input's at the sum."""

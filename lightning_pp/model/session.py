@@ -91,7 +91,7 @@ class StageSession:
         self.module, self.assembly, self.schedules, self.telemetry = module, assembly, schedules, telemetry
         layout, rank, device, options, fitting = run.layout, run.rank, run.device, run.options, run.fitting
         self.layout, self.rank, self.device, self.stage = layout, rank, device, run.stage
-        microbatches = self.microbatches = run.microbatches
+        microbatches = run.microbatches
         self.new_group, self.object_group = run.new_group, run.object_group
         object_group = run.object_group
         partition, groups = assembly.partition, assembly.groups
@@ -123,7 +123,7 @@ class StageSession:
             cuts = stream_cuts(layout.num_stages, microbatches, sends_across_steps=not p2p.on_device_streams)
             self.driver.delayed = DelayedUpdates(cuts, self.stage)
         self.checkpoints = StageCheckpoints(
-            module, partition, lambda: _not_on_last_stage(module, schedules, microbatches),
+            module, partition, lambda: _not_on_last_stage(module, schedules, schedules.microbatches),
             world=layout.world_size, rank=rank, stage=self.stage, lane=layout.lane_of(rank),
             num_stages=layout.num_stages, rank_of=layout.rank, object_group=object_group, device=device)
         checkpoints = self.checkpoints  # (closures that outlive the run hold no session: it holds the run's groups)
@@ -187,7 +187,7 @@ class StageSession:
             if switched is not None:  # every rank, before this same step
                 assert switched.microbatches is not None
                 self.schedules.switch(str(switched.schedule), switched.microbatches)
-                self.microbatches = self.driver.microbatches = switched.microbatches
+                self.driver.microbatches = switched.microbatches
                 for logger in self.module.trainer.loggers:  # (they write on global rank 0 only)
                     logger.log_hyperparams({"pipeline_auto/schedule": switched.schedule,
                                             "pipeline_auto/microbatches": switched.microbatches})

@@ -44,6 +44,6 @@ class PipelineTelemetry:
     last_grad_sync_bytes: int = 0  # gradient bytes all-reduced at the latest optimizer step (set after each one)
     last_grad_sync_ms: float | None = None  # the gradient sync of the latest timed step (set after each timed step)
     auto_choice: Any = None  # schedule="auto"'s choice and prediction (a lightning_pp.tuning.search.Candidate), or None
-    auto_first_choice: Any = None  # its choice before the closed loop measured it (the same unless the loop switched)
+    auto_first_choice: Any = None  # its choice and prediction before the closed loop measured the first steps
     auto_measured_step_s: float | None = None  # the step the closed loop measured (set at its decision)
     kept_weight_bytes: int = 0  # pipedream_2bw: the older version of the weights kept now (set at each optimizer step)

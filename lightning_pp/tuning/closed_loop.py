@@ -184,10 +184,10 @@ def rechoose(searched: AutoSearch, current: Candidate, measured: Sequence[StepMe
         assert schedule is not None  # (searched: it builds)
         return c.balance, c.recompute, schedule.stage_to_rank
 
-    microbatches = current.microbatches if keep_microbatches else searched.microbatches
+    microbatches, placed = (current.microbatches if keep_microbatches else searched.microbatches), placement(current)
     here = [c for c in search(costs, ranks, searched.batch_size, max_memory=searched.max_memory,
                               microbatches=microbatches, stages_per_rank=v, balance=current.balance,
-                              recompute=current.recompute) if placement(c) == placement(current)]
+                              recompute=current.recompute) if placement(c) == placed]
     staying = next(c for c in here if (c.schedule, c.microbatches) == (current.schedule, current.microbatches))
     best = here[0]
     switch = best is not staying and best.step_s < _BETTER * staying.step_s
@@ -199,7 +199,7 @@ def rechoose(searched: AutoSearch, current: Candidate, measured: Sequence[StepMe
     anywhere = search(costs, ranks, searched.batch_size, max_memory=searched.max_memory, microbatches=microbatches,
                       stages_per_rank=searched.stages_per_rank, balance=searched.balance,
                       recompute=searched.recompute)[0]
-    if placement(anywhere) != placement(current) and anywhere.step_s < _BETTER * chosen.step_s:
+    if placement(anywhere) != placed and anywhere.step_s < _BETTER * chosen.step_s:
         lines.append(f"A configuration that places blocks otherwise is predicted faster: {anywhere.describe()}. A run "
                      f"cannot switch to it; name it for the next one: schedule={anywhere.schedule!r}, "
                      f"microbatches={anywhere.microbatches}, balance={list(anywhere.balance)}"
