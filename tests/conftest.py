@@ -42,15 +42,29 @@ def pytest_runtest_protocol(item: pytest.Item) -> Generator[None, object, object
 
 
 @pytest.fixture(autouse=True, scope="session")
-def _warm_ranks() -> Iterator[None]:
-    """`launch` reuses the ranks of earlier jobs of its world size (started on first use, SIGKILLed at the end)."""
+def _warm_ranks(request: pytest.FixtureRequest) -> Iterator[None]:
+    """`launch` reuses the ranks of earlier jobs of its world size (started on first use, SIGKILLed at the end). Under
+    pytest-xdist each worker keeps its own pools and hands their summary to the controller, which prints them all."""
     with worker_pools() as pools:
         yield
     if pools is not None:
-        _summaries.append(pools.summary())
+        summary = pools.summary()
+        workeroutput = getattr(request.config, "workeroutput", None)  # set on an xdist worker only
+        if workeroutput is not None:
+            workeroutput["pool_summary"] = f"{os.environ.get('PYTEST_XDIST_WORKER', 'worker')}: {summary}"
+        else:
+            _summaries.append(summary)
 
 
 _summaries: list[str] = []
+
+
+@pytest.hookimpl(optionalhook=True)
+def pytest_testnodedown(node: object, error: object) -> None:
+    """pytest-xdist's controller: a worker's pool summary (see `_warm_ranks`)."""
+    summary = getattr(node, "workeroutput", {}).get("pool_summary")
+    if summary:
+        _summaries.append(summary)
 
 
 def pytest_terminal_summary(terminalreporter: pytest.TerminalReporter) -> None:

@@ -51,7 +51,7 @@ def test_transfers_end_their_step_without_stalling() -> None:
     once waited for, so every step's end stalled for ``timeout`` seconds and then failed."""
     steps = [[("float32", [4, 3]), ("int64", [3])], [("float32", [2, 5]), ("int64", [3])]]
     ranks = launch(2, [{"scenario": "p2p_exchange", "kwargs": {"steps": steps, "header_groups": True, "timeout": 5}}],
-                   timeout=60)
+                   timeout=180)
     for rank in ranks:
         assert not rank.errors, rank.errors
         assert [[list(t.shape) for t in step] for step in rank.results[0]] == [[s for _, s in step] for step in steps]
@@ -61,7 +61,7 @@ def test_nested_tensors_arrive_intact_with_headers_on_the_host() -> None:
     """Finding 3: a nested tensor was rebuilt (its sizes read, its values copied) before its payloads were received:
     sizes (2, 3), (4, 3) arrived as (4, 3), (4, 3) of uninitialised memory."""
     sizes = [[2, 3], [4, 3], [1, 3]]
-    ranks = launch(2, [{"scenario": "p2p_nested", "kwargs": {"sizes": sizes}}], timeout=60)
+    ranks = launch(2, [{"scenario": "p2p_nested", "kwargs": {"sizes": sizes}}], timeout=180)
     assert not ranks[1].errors, ranks[1].errors
     assert ranks[1].results[0] == [[i + 7.0] * (rows * cols) for i, (rows, cols) in enumerate(sizes)]
 
@@ -70,7 +70,7 @@ def test_payload_wait_is_timed_as_communication_not_compute() -> None:
     """Finding 5: the compute's clock started before the payloads were posted and waited for, so forward and backward
     absorbed the wait for the peer's payload."""
     delay = 0.5
-    ranks = launch(2, [{"scenario": "payload_wait_timing", "kwargs": {"delay": delay}}], timeout=60)
+    ranks = launch(2, [{"scenario": "payload_wait_timing", "kwargs": {"delay": delay}}], timeout=180)
     assert not ranks[1].errors, ranks[1].errors
     events = ranks[1].results[0]
     forward = sum(seconds for action, category, seconds in events if category == FORWARD)

@@ -154,25 +154,25 @@ def test_what_it_cannot_run_fails_alike_and_a_failure_mid_batch_ends_every_rank(
         assert "rank 0" in rank.errors[1]["message"] or "Pipeline" in rank.errors[1]["type"], rank.errors[1]
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_a_sigterm_on_rank_zero_stops_every_rank_at_the_same_step() -> None:
     """Lightning's per-step SIGTERM broadcast (a barrier) is replaced by a word rank 0 sends at each step's start and
     every rank acts on at the next: a signal before step 3's start stops all 4 ranks at step 4's; without one, none."""
     ranks = launch(4, [{"scenario": "sigterm_words", "kwargs": {"signal_at": 3, "steps": 8}},
-                       {"scenario": "sigterm_words", "kwargs": {"signal_at": 99, "steps": 5}}], timeout=60)
+                       {"scenario": "sigterm_words", "kwargs": {"signal_at": 99, "steps": 5}}], timeout=180)
     for rank in ranks:
         assert not rank.errors, rank.errors
         assert rank.results == [4, None], rank.results
 
 
-@pytest.mark.timeout(120)
+@pytest.mark.timeout(240)
 def test_a_real_sigterm_on_rank_zero_ends_every_rank() -> None:
     """With Lightning's per-step broadcast replaced, its SIGTERM handler must not broadcast either (nobody would meet
     it): a real signal on rank 0 mid-stream stops it at its step's end (Lightning's own check), and the other rank,
     waiting for it in the next step, ends at once with an error naming it; nothing hangs."""
     ranks = launch(2, [{"scenario": "sigterm_during_fit",
                         "kwargs": {"model": "mlp_sgd", "step": 2, "schedule": "pipedream_2bw", "microbatches": 4,
-                                   "timeout": 20}}], timeout=60)
+                                   "timeout": 20}}], timeout=180)
     ended = [rank.results[0] if rank.results and rank.results[0] else rank.errors.get(0) for rank in ranks]
     assert ended[0]["type"] == "SIGTERMException", ended
     assert ended[1]["type"] in ("SIGTERMException", "PipelineCommError", "PipelineTimeoutError", "RuntimeError"), ended
