@@ -13,6 +13,11 @@ key/value cache of other stages' layers mirrored from their descriptions) and th
 in three collectives). Printed: the time per generated token, its ratio to one device's (the faster of its two runs),
 and whether the tokens are one device's. Each pass through the blocks runs one stage after another: the ideal is one
 device's time (no overlap is possible within one sequence's tokens), plus the transfers.
+
+``--breakdown`` runs one device and 2 processes (current path) back to back, twice, clocking on every rank each block,
+each message sent (from the stage's last block: composing and posting it) and each message received (waiting for its
+bytes, then reading it: header, tensors, the cache layers mirrored), and prints, for the faster run of each, where a
+token's time goes.
 """
 
 from __future__ import annotations
@@ -53,6 +58,7 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
             self.seconds.append(time.perf_counter() - start)
             return tokens
 
+    clocks = _clocked() if spec.get("breakdown") else None
     L.seed_everything(0, verbose=False)
     module = Generator()
     prompts = torch.randint(1, 512, (4 * spec["batches"], 16), generator=torch.Generator().manual_seed(1))
@@ -63,7 +69,57 @@ def run(spec: dict[str, Any]) -> dict[str, Any]:
     if not trainer.is_global_zero:
         return {}
     per_token = min(module.seconds[1:]) / spec["tokens"]
-    return {"ms_per_token": 1000 * per_token, "tokens": torch.cat(outputs).tolist()}  # type: ignore[arg-type]
+    result = {"ms_per_token": 1000 * per_token, "tokens": torch.cat(outputs).tolist()}  # type: ignore[arg-type]
+    if clocks is not None:  # per token, over the batches after the first
+        tokens = spec["tokens"] * (spec["batches"] - 1)
+        result["clocks"] = {name: 1000 * seconds / tokens for name, seconds in clocks.items()}
+        result["ms_per_token"] = 1000 * sum(module.seconds[1:]) / tokens
+    return result
+
+
+def _clocked() -> dict[str, float]:
+    """Seconds spent, from the second ``predict_step`` on, in each GPT-2 block's forward, in `EagerLink.send` and
+    `EagerLink.recv` and, within those, in waiting for a transfer (keys ``block``, ``send``, ``recv``, ``wait``)."""
+    import functools
+
+    from transformers.models.gpt2 import modeling_gpt2
+
+    from lightning_pp.model import eager
+
+    clocks = {"block": 0.0, "send": 0.0, "recv": 0.0, "wait": 0.0}
+    counting = {"on": False}
+
+    def clock(owner: Any, name: str, key: str) -> None:
+        original = getattr(owner, name)
+
+        @functools.wraps(original)
+        def clocked(*args: Any, **kwargs: Any) -> Any:
+            start = time.perf_counter()
+            try:
+                return original(*args, **kwargs)
+            finally:
+                if counting["on"]:
+                    clocks[key] += time.perf_counter() - start
+
+        setattr(owner, name, clocked)
+
+    clock(modeling_gpt2.GPT2Block, "forward", "block")
+    clock(eager.EagerLink, "send", "send")
+    clock(eager.EagerLink, "recv", "recv")
+    clock(eager.EagerLink, "_wait", "wait")
+    original_generate = modeling_gpt2.GPT2LMHeadModel.generate
+    batches = {"seen": 0}
+
+    def generate(self: Any, *args: Any, **kwargs: Any) -> Any:  # the first batch is left out, as in the timing
+        counting["on"] = batches["seen"] > 0
+        batches["seen"] += 1
+        try:
+            return original_generate(self, *args, **kwargs)
+        finally:
+            counting["on"] = False
+
+    setattr(modeling_gpt2.GPT2LMHeadModel, "generate", generate)  # noqa: B010 (a method replaced)
+    return clocks
 
 
 def _ping_pong(spec: dict[str, Any]) -> float | None:
@@ -109,10 +165,14 @@ def main() -> None:
     parser.add_argument("--tokens", type=int, default=32)
     parser.add_argument("--batches", type=int, default=5)
     parser.add_argument("--devices", type=int, nargs="+", default=[2, 4], help="pipelined process counts")
+    parser.add_argument("--breakdown", action="store_true", help="where a token's time goes (see above)")
     parser.add_argument("--worker", help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.worker:
         answer_as_worker(args.worker, worker)
+        return
+    if args.breakdown:
+        breakdown(args)
         return
     results: dict[tuple[int, str], Any] = {}
     # one device before the current path's runs and again after them (the faster counts), so that load from other
@@ -138,6 +198,32 @@ def main() -> None:
     for (devices, path), result in results.items():
         print(f"| {devices} | {path} | {result['ms_per_token']:.2f} | "
               f"{result['ms_per_token'] / base['ms_per_token']:.2f}x | {result['tokens'] == base['tokens']} |")
+
+
+def breakdown(args: argparse.Namespace) -> None:
+    """One device and 2 processes back to back, twice; the faster run of each, as a table of ms per token."""
+    runs: dict[int, list[dict[str, Any]]] = {1: [], 2: []}
+    for devices in (1, 2, 1, 2):
+        print(f"[{devices} process(es), clocked] ...", file=sys.stderr, flush=True)
+        spec = {"task": "run", "devices": devices, "layers": args.layers, "width": args.width, "tokens": args.tokens,
+                "batches": args.batches, "breakdown": True}
+        runs[devices].append(run_workers(__file__, devices, spec, timeout=900))
+    one, two = (min(runs[d], key=lambda result: result["ms_per_token"]) for d in (1, 2))
+    assert one["tokens"] == two["tokens"]
+    c1, c2 = one["clocks"], two["clocks"]  # rank 0's clocks; each token crosses 2 boundaries, one received here
+    blocks = args.layers
+    print(f"\nGPT-2 ({args.layers} layers of width {args.width}), {args.tokens} tokens per batch, ms per token (the "
+          f"mean over batches 2-{args.batches}), the faster of two runs each; 2 processes: rank 0's clocks (stage 0, "
+          f"half the blocks; the other stage's blocks are counted as rank 0 waits for them).\n")
+    print("| | one device | 2 processes |")
+    print("|---|---|---|")
+    print(f"| a token | {one['ms_per_token']:.2f} | {two['ms_per_token']:.2f} "
+          f"({two['ms_per_token'] / one['ms_per_token']:.2f}x) |")
+    print(f"| one block (mean) | {c1['block'] / blocks:.3f} | {2 * c2['block'] / blocks:.3f} |")
+    print(f"| the code around the blocks | {one['ms_per_token'] - c1['block']:.2f} | |")
+    print(f"| sending a stage's output (composing, posting) | | {c2['send']:.3f} |")
+    print(f"| reading a received output (all but the wait) | | {c2['recv'] - c2['wait']:.3f} |")
+    print(f"| waiting: the other stage's blocks and messages, the transfers | | {c2['wait']:.2f} |")
 
 
 if __name__ == "__main__":
