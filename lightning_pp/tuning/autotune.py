@@ -122,7 +122,8 @@ def _search_on_rank_zero(options: PipelineOptions, module: pl.LightningModule, t
             before=(a.before, b.before), after=(a.after, b.after),
             outside_saved_bytes=(a.outside_saved_bytes, b.outside_saved_bytes), latency_s=link[0],
             seconds_per_byte=link[1],
-            framework_s=_FRAMEWORK_S.get(device.type, _FRAMEWORK_S["cuda"]))
+            framework_s=_FRAMEWORK_S.get(device.type, _FRAMEWORK_S["cuda"]),
+            shared_bytes=(a.shared_bytes, b.shared_bytes))
         return costs, size
 
     started = time.perf_counter()

@@ -101,6 +101,9 @@ class BlockCosts:
     saved_bytes: list[float] = field(default_factory=list)
     output_bytes: list[float] = field(default_factory=list)
     outside_saved_bytes: tuple[float, float] = (0.0, 0.0)  # saved by the work before and after the blocks
+    # per block, what it saved that earlier work had saved too (its input, kept by the block before as its output):
+    # counted once in `saved_bytes` (the earlier block's), held again by a stage that starts at this block
+    shared_bytes: list[float] = field(default_factory=list)
 
     @property
     def blocks(self) -> list[float]:
@@ -138,9 +141,10 @@ class _StepRun:
     inputs: list[tuple[tuple[Any, ...], dict[str, Any]]]  # each block's arguments in this run
     block_forward: list[float]  # each block's forward in the step
     block_backward: list[float | None] = field(default_factory=list)  # each block's backward in the step (None: unseen)
-    saved_bytes: list[float] = field(default_factory=list)  # what each block's forward saved for the backward
+    saved_bytes: list[float] = field(default_factory=list)  # what each block's forward saved first for the backward
     output_bytes: list[float] = field(default_factory=list)
     outside_saved_bytes: tuple[float, float] = (0.0, 0.0)  # what the work before and after the blocks saved
+    shared_bytes: list[float] = field(default_factory=list)  # what each block saved that earlier work saved too
 
 
 class _BlockCalls:
@@ -156,21 +160,33 @@ class _BlockCalls:
         self.starts: list[tuple[nn.Module, float, tuple[Any, ...], dict[str, Any]]] = []
         self.ends: list[float] = []
         self.outputs: list[Any] = []
-        self.saved: list[dict[int, int]] = []  # per call: storage -> bytes its forward saved for the backward
+        self.saved: list[dict[int, int]] = []  # per call: storage -> bytes its forward saved for the backward first
+        self.shared: list[dict[int, int]] = []  # per call: those saved by earlier work too (the block's input, say)
+        self._charged: set[int] = set()  # every storage counted so far, each once
 
     def before_block(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any]) -> None:
         synchronize_device(self.device)
         self.saved.append({})
+        self.shared.append({})
         self.starts.append((block, time.perf_counter(), args, kwargs))
 
     def pack(self, t: Tensor) -> Tensor:
-        """A saved tensor's bytes, charged to the block running or that ran last (work between blocks is theirs),
-        or to the work before the first block or after the last."""
+        """A saved tensor's bytes, charged once: to the block running or that ran last (work between blocks is
+        theirs), or to the work before the first block or after the last. A block saving what earlier work saved (its
+        input, which the block before saved as its output) notes it apart (`shared`): a stage starting at that block
+        holds it again, one continuing from the block before does not."""
         storage = t.untyped_storage()
-        if storage.data_ptr() not in self.weights:
-            where = (self.before if not self.starts else
-                     self.after if len(self.ends) == self.num_blocks else self.saved[-1])
-            where[storage.data_ptr()] = storage.nbytes()
+        key = storage.data_ptr()
+        if key in self.weights:
+            return t
+        if not self.starts:
+            self.before[key] = storage.nbytes()
+        elif len(self.ends) == self.num_blocks:  # the last stage holds the blocks' storages already
+            if key not in self._charged:
+                self.after[key] = storage.nbytes()
+        elif key not in self.saved[-1]:
+            (self.shared[-1] if key in self._charged else self.saved[-1])[key] = storage.nbytes()
+        self._charged.add(key)
         return t
 
     def after_block(self, block: nn.Module, args: tuple[Any, ...], kwargs: dict[str, Any], output: Any) -> None:
@@ -258,7 +274,8 @@ def _run_step(module: pl.LightningModule, blocks: list[nn.Module], microbatch: A
                    saved_bytes=[float(sum(saved.values())) for saved in calls.saved],
                    output_bytes=[float(sum(t.numel() * t.element_size() for t in _compat.tree_tensors(out)))
                                  for out in calls.outputs],
-                   outside_saved_bytes=(float(sum(calls.before.values())), float(sum(calls.after.values()))))
+                   outside_saved_bytes=(float(sum(calls.before.values())), float(sum(calls.after.values()))),
+                   shared_bytes=[float(sum(shared.values())) for shared in calls.shared])
     if isinstance(loss, Tensor) and loss.requires_grad:
         _time_backward(loss, calls.outputs, run, device)
     return run
@@ -369,11 +386,11 @@ def measure_block_costs(module: pl.LightningModule, container_name: str, microba
     before_b, after_b = _backward_outside_blocks(runs, forward, backward, before_f, after_f, recompute_every)
     if not detailed:
         return BlockCosts(forward, backward, (before_f, before_b), (after_f, after_b))
-    saved, outputs = list(runs[0].saved_bytes), runs[0].output_bytes
+    saved, outputs, shared = list(runs[0].saved_bytes), runs[0].output_bytes, list(runs[0].shared_bytes)
     for index in range(0, len(saved), recompute_every) if recompute_every else []:  # a recomputed block keeps its
-        saved[index] = outputs[index - 1] if index else outputs[0]  # input only
+        saved[index], shared[index] = (outputs[index - 1] if index else outputs[0]), 0.0  # input only
     return BlockCosts(forward, backward, (before_f, before_b), (after_f, after_b),
-                      [t.input_backward for t in timings], saved, outputs, runs[0].outside_saved_bytes)
+                      [t.input_backward for t in timings], saved, outputs, runs[0].outside_saved_bytes, shared)
 
 
 def _timed_steps(module: pl.LightningModule, blocks: list[nn.Module], microbatch: Any, device: torch.device,

@@ -59,6 +59,9 @@ class MeasuredCosts:
     seconds_per_byte: float
     framework_s: float  # the runtime's own time per action
     outside_s: float = 0.0  # the step's time outside the schedule (the optimizer, Lightning's loop); 0: not measured
+    # per block, the bytes it saved that the block before saved too (`saved_bytes` counts them once, there): held
+    # again by a stage that starts at the block. None: nothing shared
+    shared_bytes: tuple[list[float], list[float]] | None = None
 
     @property
     def num_blocks(self) -> int:
@@ -125,15 +128,20 @@ def stage_costs(costs: MeasuredCosts, stages: int, microbatch: float, recompute:
     F + I + W)."""
     f, i, w = (costs.at(microbatch, v) for v in (costs.forward, costs.input_backward, costs.weight_backward))
     saved, out = costs.at(microbatch, costs.saved_bytes), costs.at(microbatch, costs.output_bytes)
+    shared = costs.at(microbatch, costs.shared_bytes) if costs.shared_bytes is not None else [0.0] * len(saved)
     if recompute:  # the forward runs again in the backward, and a block keeps only its input
         i = [a + b for a, b in zip(i, f, strict=True)]
         saved = [out[k - 1] if k else out[0] for k in range(len(out))]
+        shared = [0.0] * len(saved)
     before, after = costs.at(microbatch, costs.before), costs.at(microbatch, costs.after)  # (forward, backward) each
     totals = [a + b + c for a, b, c in zip(f, i, w, strict=True)]
     split = list(balance) if balance is not None else min_max_partition(
         totals, stages, first_extra=sum(before), last_extra=sum(after))
     forward, input_b, weight_b = (_stage_sums(v, split) for v in (f, i, w))
-    held, sent = _stage_sums(saved, split), [out[r.stop - 1] for r in stage_layer_ranges(split)]
+    ranges = stage_layer_ranges(split)
+    held, sent = _stage_sums(saved, split), [out[r.stop - 1] for r in ranges]
+    for stage, blocks in enumerate(ranges[1:], start=1):  # what the block before kept, here a received activation
+        held[stage] += shared[blocks.start] if blocks else 0.0
     saved_before, saved_after = costs.at(microbatch, costs.outside_saved_bytes)
     held[0] += saved_before
     held[-1] += saved_after

@@ -144,3 +144,38 @@ def test_a_batch_that_does_not_divide_is_timed_at_its_micro_batches_sizes() -> N
                                       balance=[4, 4], recompute=False) if c.schedule == "1f1b").step_s
 
     assert step(33) > step(32) + 0.25 * (step(36) - step(32)) + 1e-6
+
+
+def test_an_activation_two_blocks_save_is_held_once_per_stage() -> None:
+    """Blocks of Linear then ReLU: each saves its input (which the block before saved as its ReLU's output) and its
+    own output. Measured on a real step, each such tensor counts once in a stage, and again in a stage that receives
+    it: a stage of k blocks holds k + 1 activations, not 2k (auto's memory budget once rejected configurations that
+    fit)."""
+    import lightning as L
+    import torch
+    from torch import nn
+
+    from lightning_pp.tuning.balance import measure_block_costs
+    from lightning_pp.tuning.search import stage_costs
+
+    class Blocks(L.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.blocks = nn.Sequential(*[nn.Sequential(nn.Linear(64, 64), nn.ReLU()) for _ in range(4)])
+
+        def training_step(self, batch: torch.Tensor, batch_idx: int) -> torch.Tensor:
+            return self.blocks(batch).pow(2).mean()
+
+    activation = 32 * 64 * 4  # one micro-batch's hidden state, fp32
+    measured = measure_block_costs(Blocks(), "blocks", torch.randn(32, 64), device=torch.device("cpu"),
+                                   detailed=True)
+    assert measured.saved_bytes == [2 * activation] + [activation] * 3  # the first block's input is its own
+    assert measured.shared_bytes == [0.0] + [activation] * 3
+    per_block = (measured.saved_bytes, measured.saved_bytes)
+    costs = MeasuredCosts(sizes=(32.0, 32.0), forward=per_block, input_backward=per_block, weight_backward=per_block,
+                          saved_bytes=per_block, output_bytes=(measured.output_bytes, measured.output_bytes),
+                          before=((0.0, 0.0), (0.0, 0.0)), after=((0.0, 0.0), (0.0, 0.0)),
+                          outside_saved_bytes=((0.0, 0.0), (0.0, 0.0)), latency_s=0.0, seconds_per_byte=0.0,
+                          framework_s=0.0, shared_bytes=(measured.shared_bytes, measured.shared_bytes))
+    assert stage_costs(costs, 2, 32.0, recompute=False, balance=[2, 2]).held == [3 * activation, 3 * activation]
+    assert stage_costs(costs, 2, 32.0, recompute=False, balance=[1, 3]).held == [2 * activation, 4 * activation]
