@@ -59,8 +59,8 @@ class MeasuredCosts:
     seconds_per_byte: float
     framework_s: float  # the runtime's own time per action
     outside_s: float = 0.0  # the step's time outside the schedule (the optimizer, Lightning's loop); 0: not measured
-    # per block, the bytes it saved that the block before saved too (`saved_bytes` counts them once, there): held
-    # again by a stage that starts at the block. None: nothing shared
+    # per block, the bytes it saved that earlier work saved too (its input, the block before's output: `saved_bytes`
+    # counts them once, there): held again by a stage that starts at the block. None: nothing shared
     shared_bytes: tuple[list[float], list[float]] | None = None
 
     @property
