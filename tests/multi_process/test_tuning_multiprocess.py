@@ -7,28 +7,6 @@ import pytest
 from _launch import launch
 from support import assemble, assert_params_close, assert_trains_like, pipelined, reference
 
-from lightning_pp.tuning.search import MeasuredCosts
-
-BLOCKS = 8
-
-
-def costs(per_row: float = 1e-4, slow_first: float = 8.0, saved_per_row: float = 1e6, latency: float = 0.0,
-          framework: float = 0.0) -> MeasuredCosts:
-    """F = I = W = ``per_row`` seconds per row for each block (the first ``slow_first`` times as long), measured at
-    micro-batches of 2 and 16 rows; ``saved_per_row`` bytes kept for backward per block and row."""
-    def per_block(rows: int, value: float) -> list[float]:
-        return [value * rows * (slow_first if block == 0 else 1) for block in range(BLOCKS)]
-
-    def both(value: float) -> tuple[list[float], list[float]]:
-        return per_block(2, value), per_block(16, value)
-
-    return MeasuredCosts(sizes=(2.0, 16.0), forward=both(per_row), input_backward=both(per_row),
-                         weight_backward=both(per_row), saved_bytes=both(saved_per_row),
-                         output_bytes=both(saved_per_row / 8), before=((0.0, 0.0), (0.0, 0.0)),
-                         after=((0.0, 0.0), (0.0, 0.0)), outside_saved_bytes=((0.0, 0.0), (0.0, 0.0)),
-                         latency_s=latency, seconds_per_byte=0.0,
-                         framework_s=framework)
-
 
 @pytest.mark.timeout(300)
 def test_auto_chosen_configurations_train_as_one_device() -> None:

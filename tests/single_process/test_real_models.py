@@ -1,17 +1,6 @@
-"""Multi-process tier for modules shaped like real models (issue 11), unmodified, pipelined on 2 and 4 gloo ranks and
-compared with plain single-device Lightning run in this process (the models: ``real_models.py``, trained by
-``models.fit``; the comparisons: ``support.assert_like``).
-
-Compared for every run: the gradients every optimizer step applied, against one device's at the run's own weights (each
-element within 1e-5 of its tensor's largest magnitude), everything logged (within 1e-5, relative below 1), that weights
-replicated on several stages are identical there, and on every rank the callback metrics, predictions, generated
-samples and checkpoint decisions. Also the parameters element-wise, but for AdamW runs, which turn fp32
-summation-order noise in near-zero gradients (an attention key bias) into full-size steps (see
-``test_equivalence.py``).
-
-Each test is one launch of several runs (process start-up dominates); a rank stops at the first run that fails, so a
-failure report lists that run's error and the runs after it as not run.
-The multi-process tests are in ``multi_process/test_real_models_multiprocess.py``.
+"""Single-process tier for modules shaped like real models (issue 11): the single-device references the
+multi-process comparisons use (``real_models.py``, trained by ``models.fit``) are sane. The pipelined runs,
+compared with them by ``support.assert_like``, are in ``multi_process/test_real_models_multiprocess.py``.
 """
 
 from __future__ import annotations
